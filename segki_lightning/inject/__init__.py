@@ -1,0 +1,6 @@
+"""Structural segment kernel injection: find hot segments by attribute structure, replace their forwards
+with fused ops that read the original parameters, and undo it."""
+from .api import apply_segment_ki, is_injected, remove_segment_ki
+from .report import KINDS, SegmentReport
+
+__all__ = ["KINDS", "SegmentReport", "apply_segment_ki", "is_injected", "remove_segment_ki"]

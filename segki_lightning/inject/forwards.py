@@ -1,0 +1,164 @@
+"""Replacement forwards. Each reads the module's ORIGINAL parameters on every call (no copies, no
+snapshots) and goes through :mod:`segki_lightning.ops`, whose reference path is a differentiable torch
+composition, so gradients are exact and land on those parameters.
+
+A forward finds its static facts (eps, norm form, sibling modules) in a spec stored in the module's
+``__dict__`` under ``SPEC`` -- a plain attribute, invisible to ``state_dict`` and ``parameters()``.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .. import ops
+from ..ops import reference
+
+SPEC = "_segki_spec"
+
+
+def spec(module: nn.Module) -> Any:
+    return module.__dict__[SPEC]
+
+
+# ----------------------------------------------------------------------------------------------- norms
+@dataclass
+class NormSpec:
+    eps: float
+    unit_offset: bool  # True: (1 + w) form (Qwen3.5); False: w form (Llama)
+
+
+def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
+    s: NormSpec = spec(self)
+    return ops.rms_norm(x, self.weight, s.eps, s.unit_offset)
+
+
+# ------------------------------------------------------------------------------------------------- MLP
+def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
+    h = ops.gated_mlp_front(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
+    return ops.linear(h, self.down_proj.weight)                               # [..., H]
+
+
+# -------------------------------------------------------------------------------------- attention QKV
+@dataclass(eq=False)
+class QKVGroup:
+    """The three sibling projections of one attention block. The model's own attention code calls
+    ``q_proj(x)``, ``k_proj(x)``, ``v_proj(x)`` in turn; the first call computes all three with one fused
+    op and the next two take their share when they see the same input tensor (else they compute alone)."""
+
+    q: nn.Module
+    k: nn.Module
+    v: nn.Module
+    pending: dict[str, Tensor] = field(default_factory=dict)
+    pending_input: Tensor | None = None
+
+    def take(self, role: str, x: Tensor) -> Tensor | None:
+        if self.pending_input is x and role in self.pending:
+            out = self.pending.pop(role)
+            if not self.pending:
+                self.pending_input = None
+            return out
+        return None
+
+
+def q_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
+    g: QKVGroup = spec(self)
+    q, k, v = ops.qkv_proj(x, g.q.weight, g.k.weight, g.v.weight, g.q.bias, g.k.bias, g.v.bias)
+    g.pending, g.pending_input = {"k": k, "v": v}, x
+    return q
+
+
+def kv_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
+    g: QKVGroup = spec(self)
+    out = g.take("k" if self is g.k else "v", x)
+    return out if out is not None else ops.linear(x, self.weight, self.bias)
+
+
+# ------------------------------------------------------------------------------------ Gated DeltaNet
+@dataclass
+class GDNSpec:
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    norm_eps: float
+    original_forward: Any  # the forward used for caches this package does not own
+
+
+def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """Whole-sequence gated delta rule from a zero state: flash-linear-attention's chunked kernel on CUDA
+    when it is installed, else the reference recurrence. ``[B, T, H*, D*]`` -> ``[B, T, Hv, Dv]``."""
+    if q.is_cuda:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        except ImportError:
+            pass
+        else:
+            out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
+                                            output_final_state=False, use_qk_l2norm_in_kernel=True)
+            return out
+    return reference.gdn_recurrence(q, k, v, g, beta)[0]
+
+
+def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
+                **kwargs: Any) -> Tensor:
+    s: GDNSpec = spec(self)
+    cache = kwargs.pop("cache_params", cache)
+    if cache is not None:  # a transformers cache: its bookkeeping is the model's own code's business
+        return s.original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    x = hidden_states
+    if attention_mask is not None and attention_mask.ndim == 2:  # zero padded positions (2-D padding mask)
+        x = (x * attention_mask[:, :, None]).to(x.dtype)
+    bsz, t, _ = x.shape
+    qkv, z, b, a = ops.gdn_in_proj(x, self.in_proj_qkv.weight, self.in_proj_z.weight,
+                                   self.in_proj_b.weight, self.in_proj_a.weight)
+    conv = self.conv1d
+    mixed = F.conv1d(qkv.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias,
+                     padding=conv.weight.shape[-1] - 1, groups=qkv.shape[-1])[..., :t]      # [B, C, T]
+    mixed = F.silu(mixed).to(x.dtype).transpose(1, 2)                                       # [B, T, C]
+    key_dim = s.num_k_heads * s.head_k_dim
+    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    q = q.reshape(bsz, t, s.num_k_heads, s.head_k_dim)
+    k = k.reshape(bsz, t, s.num_k_heads, s.head_k_dim)
+    v = v.reshape(bsz, t, s.num_v_heads, s.head_v_dim)
+    g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
+    core = _delta_rule(q, k, v, g, beta)                                                    # [B, T, Hv, Dv]
+    core = ops.gated_rms_norm(core, z.view(bsz, t, s.num_v_heads, s.head_v_dim), self.norm.weight, s.norm_eps)
+    return ops.linear(core.reshape(bsz, t, -1), self.out_proj.weight)
+
+
+# ------------------------------------------------------------------------------------- decoder layer
+@dataclass
+class LayerSpec:
+    """A pre-norm residual decoder layer: ``x + mixer(norm1(x))`` then ``+ mlp(norm2(.))``; the second
+    residual add is fused with ``norm2``."""
+
+    mixer: str                           # "self_attn" | "linear_attn"
+    signature: inspect.Signature         # of the layer's original forward
+    mixer_params: frozenset[str] | None  # what the mixer accepts by name; None: anything (**kwargs)
+    post_norm: NormSpec
+
+
+def decoder_layer_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    s: LayerSpec = spec(self)
+    bound = s.signature.bind(hidden_states, *args, **kwargs)
+    mixer_kwargs: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = s.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            mixer_kwargs.update(value)
+        elif kind is not inspect.Parameter.VAR_POSITIONAL:
+            mixer_kwargs[name] = value
+    mixer_kwargs.pop(next(iter(s.signature.parameters)))  # the hidden states themselves
+    if s.mixer_params is not None:
+        mixer_kwargs = {k: v for k, v in mixer_kwargs.items() if k in s.mixer_params}
+    out = getattr(self, s.mixer)(self.input_layernorm(hidden_states), **mixer_kwargs)
+    if isinstance(out, tuple):
+        out = out[0]
+    normed, residual = ops.add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
+                                        s.post_norm.eps, s.post_norm.unit_offset)
+    return residual + self.mlp(normed)

@@ -1,0 +1,108 @@
+"""One entry point per fused op: the native kernel when it is loaded and the inputs are eligible, else the
+reference. Eligible means: CUDA tensors, bf16 or fp16, contiguous, no autograd graph being recorded (native
+kernels are forward-only; training goes through the differentiable reference), and the op's own limits
+(e.g. at most ``MAX_GEMV_ROWS`` rows for the decode GEMVs). Never a crash, never a silent numerics
+change: ineligible inputs take the reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .extension import has_native
+
+NATIVE_DTYPES = (torch.bfloat16, torch.float16)
+MAX_GEMV_ROWS = 64
+
+
+def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None) -> bool:
+    """Whether ``torch.ops.segki.<op>`` may run on these tensors (None entries are optional inputs)."""
+    present = [t for t in tensors if t is not None]
+    first = present[0]
+    if first.device.type != "cuda" or first.dtype not in NATIVE_DTYPES:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    if max_rows is not None and first.numel() // first.shape[-1] > max_rows:
+        return False
+    return has_native(op)
+
+
+def backend(op: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """``"native"`` or ``"reference"``: what ``op`` uses for decode-time inputs of this dtype/device."""
+    native = torch.device(device).type == "cuda" and dtype in NATIVE_DTYPES and has_native(op)
+    return "native" if native else "reference"
+
+
+def _native(op: str):
+    return getattr(torch.ops.segki, op)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """See :func:`reference.linear`."""
+    if eligible("linear", x, weight, bias, max_rows=MAX_GEMV_ROWS):
+        return _native("linear")(x, weight, bias)
+    return reference.linear(x, weight, bias)
+
+
+def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
+    """See :func:`reference.gated_mlp_front`."""
+    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_GEMV_ROWS):
+        return _native("gated_mlp_front")(x, w_gate, w_up)
+    return reference.gated_mlp_front(x, w_gate, w_up)
+
+
+def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
+    """See :func:`reference.qkv_proj`."""
+    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_GEMV_ROWS):
+        return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
+    return reference.qkv_proj(x, w_q, w_k, w_v, b_q, b_k, b_v)
+
+
+def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """See :func:`reference.gdn_in_proj`."""
+    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_GEMV_ROWS):
+        return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
+    return reference.gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
+    """See :func:`reference.rms_norm`."""
+    if eligible("rms_norm", x, weight):
+        return _native("rms_norm")(x, weight, eps, unit_offset)
+    return reference.rms_norm(x, weight, eps, unit_offset)
+
+
+def add_rms_norm(x, residual, weight, eps: float, unit_offset: bool) -> tuple[Tensor, Tensor]:
+    """See :func:`reference.add_rms_norm`."""
+    if eligible("add_rms_norm", x, residual, weight):
+        return tuple(_native("add_rms_norm")(x, residual, weight, eps, unit_offset))
+    return reference.add_rms_norm(x, residual, weight, eps, unit_offset)
+
+
+def decode_attention(q, k_cache, v_cache, lengths, scale: float) -> Tensor:
+    """See :func:`reference.decode_attention`."""
+    if eligible("decode_attention", q, k_cache, v_cache):
+        return _native("decode_attention")(q, k_cache, v_cache, lengths, scale)
+    return reference.decode_attention(q, k_cache, v_cache, lengths, scale)
+
+
+def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias,
+                    norm_weight, norm_eps: float, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
+    """See :func:`reference.gdn_decode_step`."""
+    args = (qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias, norm_weight)
+    if eligible("gdn_decode_step", *args):
+        return _native("gdn_decode_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
+    return reference.gdn_decode_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
+
+
+def sample_tokens(logits, temperature, top_k, top_p, seed, offset) -> tuple[Tensor, Tensor]:
+    """See :func:`reference.sample_tokens`."""
+    if eligible("sample_tokens", logits):
+        return tuple(_native("sample_tokens")(logits, temperature, top_k, top_p, seed, offset))
+    return reference.sample_tokens(logits, temperature, top_k, top_p, seed, offset)
+
+
+gdn_gates = reference.gdn_gates
+gated_rms_norm = reference.gated_rms_norm

@@ -1,0 +1,42 @@
+"""Projection family: one input row set, one or several ORIGINAL weight matrices (never concatenated).
+
+Shapes: ``x [..., K]``, each weight ``[N_i, K]``, each output ``[..., N_i]`` in ``x.dtype``. Products
+accumulate in fp32 (BLAS for bf16/fp16 does); elementwise epilogues run in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``x @ weight^T (+ bias)``: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``."""
+    return F.linear(x, weight, bias)
+
+
+def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
+    """``silu(x @ w_gate^T) * (x @ w_up^T)``: ``x [..., K]``, ``w_* [I, K]`` -> ``[..., I]``.
+
+    The gate and up products are combined in fp32 and rounded once to ``x.dtype``.
+    """
+    gate = F.linear(x, w_gate).float()
+    up = F.linear(x, w_up).float()
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def qkv_proj(
+    x: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
+    b_q: Tensor | None = None, b_k: Tensor | None = None, b_v: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Attention input projections from three weights: ``x [..., K]`` -> ``q [..., Nq]``, ``k [..., Nk]``,
+    ``v [..., Nv]``. Biases are optional and per projection."""
+    return F.linear(x, w_q, b_q), F.linear(x, w_k, b_k), F.linear(x, w_v, b_v)
+
+
+def gdn_in_proj(
+    x: Tensor, w_qkv: Tensor, w_z: Tensor, w_b: Tensor, w_a: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gated-DeltaNet input projections: ``x [..., K]`` -> ``qkv [..., 2*Hk*Dk + Hv*Dv]``,
+    ``z [..., Hv*Dv]``, ``b [..., Hv]``, ``a [..., Hv]``."""
+    return F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a)

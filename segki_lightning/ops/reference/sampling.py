@@ -1,0 +1,77 @@
+"""Token selection: greedy, temperature, top-k, top-p, with a counter-based random stream.
+
+Randomness is a pure function of ``(seed, offset, token index)`` (a 32-bit integer hash), so the same
+numbers come out on CPU and GPU, in eager mode and inside a CUDA graph, and the native kernel reproduces
+them exactly. Sampling uses the Gumbel-max trick: ``argmax(logits / T + Gumbel)`` over the tokens that
+survive the top-k then top-p filters is an exact draw from the renormalised softmax.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """32-bit avalanche hash of int64 tensors holding values in ``[0, 2^32)``."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: Tensor, offset: Tensor, vocab: int) -> Tensor:
+    """``seed, offset [B]`` int64 -> ``[B, V]`` fp32 uniforms in ``(0, 1)`` (24-bit resolution)."""
+    row = _mix32(_mix32(seed & _MASK32) ^ _mix32((seed >> 32) & _MASK32) ^ _mix32(offset & _MASK32) * 3)
+    col = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    h = _mix32(row[:, None] ^ _mix32(col + 0x9E3779B9)[None, :])          # [B, V]
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def _filter_top_k(scaled: Tensor, top_k: Tensor) -> Tensor:
+    """Mask (to -inf) everything below each row's k-th largest value; ``top_k <= 0`` keeps all."""
+    vocab = scaled.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    kth = torch.sort(scaled, dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])   # [B, 1]
+    return scaled.masked_fill(scaled < kth, float("-inf"))
+
+
+def _filter_top_p(scaled: Tensor, top_p: Tensor) -> Tensor:
+    """Keep the smallest head of the sorted distribution whose mass reaches ``top_p`` (at least one
+    token): a token survives when the probability mass strictly before it is ``< top_p``."""
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(-1) - probs
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
+def sample_tokens(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, seed: Tensor, offset: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Pick one token per row.
+
+    Args:
+        logits: ``[B, V]`` any float dtype.
+        temperature: ``[B]`` fp32; ``0`` means greedy (argmax, lowest index on ties).
+        top_k: ``[B]`` int64, ``0`` = off. top_p: ``[B]`` fp32 in ``(0, 1]``, ``1`` = off.
+        seed, offset: ``[B]`` int64: the row's random stream and its position in it (the decode step).
+    Returns:
+        ``(tokens [B] int64, logprobs [B] fp32)``; the log-prob is ``log_softmax(logits / T)`` at the chosen
+        token over the full vocabulary, with ``T = 1`` for greedy rows.
+    """
+    lf = logits.float()
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
+    scaled = lf / temp[:, None]                                                 # [B, V]
+    filtered = _filter_top_p(_filter_top_k(scaled, top_k), top_p.float())
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, offset, lf.shape[-1])))
+    sampled = torch.argmax(filtered + gumbel, dim=-1)
+    tokens = torch.where(greedy, torch.argmax(lf, dim=-1), sampled)
+    logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs

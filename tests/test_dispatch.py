@@ -1,0 +1,39 @@
+"""Dispatch picks the reference whenever the native op is missing or the inputs are ineligible."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from segki_lightning import ops
+from segki_lightning.ops import dispatch, extension, reference
+
+
+def test_cpu_and_fp32_inputs_run_the_reference():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    assert not dispatch.eligible("linear", x, w)
+    assert ops.backend("linear", torch.bfloat16, "cpu") == "reference"
+    assert ops.backend("linear", torch.float32, "cpu") == "reference"
+    assert torch.equal(ops.linear(x, w), reference.linear(x, w))
+
+
+def test_missing_native_kernels_are_announced_once(caplog, monkeypatch):
+    monkeypatch.setattr(extension, "_unavailable_reason", lambda: "no CUDA device")
+    extension.native_ops.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="segki_lightning"):
+            assert extension.native_ops() is None
+            assert extension.native_ops() is None
+            assert not extension.has_native("linear")
+        assert sum("reference path" in r.message for r in caplog.records) == 1
+    finally:
+        extension.native_ops.cache_clear()
+
+
+def test_recording_autograd_is_never_native(monkeypatch):
+    monkeypatch.setattr(dispatch, "has_native", lambda op: True)
+    x = torch.randn(2, 8)
+    w = torch.randn(4, 8, requires_grad=True)
+    assert not dispatch.eligible("linear", x, w)  # CPU anyway, but also grad-recording
+    with torch.no_grad():
+        assert not dispatch.eligible("linear", x, w)  # still CPU: reference

@@ -1,0 +1,199 @@
+"""Each reference op against the transformers module (or the textbook formula) it specifies."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from segki_lightning.ops import reference as R
+
+from .tiny_models import qwen35_config
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def rand(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_unit_offset_is_qwen35_norm_exactly(dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    norm = Qwen3_5RMSNorm(48, eps=1e-6)
+    norm.weight.data = rand(48, scale=0.3)
+    norm.to(dtype)
+    x = rand(2, 5, 48, dtype=dtype)
+    assert torch.equal(R.rms_norm(x, norm.weight, norm.eps, unit_offset=True), norm(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_plain_is_llama_norm_exactly(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-5)
+    norm.weight.data = 1 + rand(48, scale=0.3)
+    norm.to(dtype)
+    x = rand(2, 5, 48, dtype=dtype)
+    assert torch.equal(R.rms_norm(x, norm.weight, norm.variance_epsilon, unit_offset=False), norm(x))
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm_returns_normed_sum_and_sum(unit_offset):
+    x, res, w = rand(3, 4, 32), rand(3, 4, 32), rand(32)
+    normed, new_res = R.add_rms_norm(x, res, w, 1e-6, unit_offset)
+    assert torch.equal(new_res, res + x)
+    assert torch.equal(normed, R.rms_norm(res + x, w, 1e-6, unit_offset))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_is_qwen35_gated_norm_exactly(dtype):
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+
+    norm = Qwen3_5RMSNormGated(16, eps=1e-6)
+    norm.weight.data = 1 + rand(16, scale=0.3)
+    norm.to(dtype)
+    x, z = rand(10, 16, dtype=dtype), rand(10, 16, dtype=dtype)
+    assert torch.equal(R.gated_rms_norm(x, z, norm.weight, 1e-6), norm(x, z))
+
+
+def test_projection_family_equals_separate_linears():
+    x = rand(2, 3, 40)
+    wg, wu, wq, wk, wv = (rand(n, 40) for n in (24, 24, 32, 16, 16))
+    bq, bk, bv = rand(32), rand(16), rand(16)
+    torch.testing.assert_close(R.gated_mlp_front(x, wg, wu), F.silu(x @ wg.T) * (x @ wu.T))
+    for got, want in zip(R.qkv_proj(x, wq, wk, wv, bq, bk, bv), (x @ wq.T + bq, x @ wk.T + bk, x @ wv.T + bv)):
+        torch.testing.assert_close(got, want)
+    ws = [rand(n, 40) for n in (48, 16, 4, 4)]
+    for got, w in zip(R.gdn_in_proj(x, *ws), ws):
+        torch.testing.assert_close(got, x @ w.T)
+
+
+def test_gdn_gates_match_the_module_formula_and_stay_finite():
+    a, b = rand(4, 8, scale=30.0), rand(4, 8)
+    a_log, dt_bias = rand(8), rand(8)
+    g, beta = R.gdn_gates(a, b, a_log, dt_bias)
+    assert torch.equal(beta, b.sigmoid())
+    assert torch.equal(g, -a_log.float().exp() * F.softplus(a.float() + dt_bias))
+    big = torch.full((1, 8), 1e4)
+    assert torch.isfinite(R.gdn_gates(big, big, a_log, dt_bias)[0]).all()
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 8, 128), (16, 4, 256)])
+def test_decode_attention_reads_only_valid_positions(hq, hkv, d):
+    b, s = 3, 20
+    q, k, v = rand(b, hq, d), rand(b, hkv, s, d), rand(b, hkv, s, d)
+    lengths = torch.tensor([1, 7, 20])
+    out = R.decode_attention(q, k, v, lengths, d**-0.5)
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for i, n in enumerate(lengths.tolist()):
+        poisoned_k[i, :, n:] = float("nan")
+        poisoned_v[i, :, n:] = float("nan")
+    assert torch.equal(R.decode_attention(q, poisoned_k, poisoned_v, lengths, d**-0.5), out)
+    for i, n in enumerate(lengths.tolist()):  # textbook attention on the valid prefix, KV heads repeated
+        kk = k[i, :, :n].repeat_interleave(hq // hkv, 0)
+        vv = v[i, :, :n].repeat_interleave(hq // hkv, 0)
+        want = torch.softmax((q[i, :, None] @ kk.transpose(-1, -2)) * d**-0.5, -1) @ vv
+        torch.testing.assert_close(out[i], want[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_gdn_decode_step_matches_transformers_cached_step():
+    """Prefill the transformers module with a cache, then compare one cached token against ours (states
+    taken from the same cache before the step)."""
+    from transformers import DynamicCache
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    cfg = qwen35_config()
+    gdn = Qwen3_5GatedDeltaNet(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in gdn.parameters():
+            p.copy_(torch.randn_like(p) * (p.shape[-1] ** -0.5 if p.dim() > 1 else 0.5))
+        cache = DynamicCache(config=cfg)
+        gdn(rand(2, 6, 64), cache=cache)
+        conv_state = cache.get_conv_state(0).clone()
+        rec_state = cache.get_recurrent_state(0).clone().float()
+        x = rand(2, 1, 64)
+        want = gdn(x, cache=cache)
+        qkv, z, b, a = R.gdn_in_proj(x[:, 0], gdn.in_proj_qkv.weight, gdn.in_proj_z.weight,
+                                     gdn.in_proj_b.weight, gdn.in_proj_a.weight)
+        out = R.gdn_decode_step(qkv, z, b, a, conv_state, gdn.conv1d.weight[:, 0], gdn.conv1d.bias, rec_state,
+                                gdn.A_log, gdn.dt_bias, gdn.norm.weight, gdn.norm.variance_epsilon,
+                                gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim)
+        got = R.linear(out, gdn.out_proj.weight)
+    torch.testing.assert_close(got, want[:, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv_state, cache.get_conv_state(0), rtol=0, atol=0)
+    torch.testing.assert_close(rec_state, cache.get_recurrent_state(0).float(), rtol=1e-5, atol=1e-5)
+
+
+def test_gdn_recurrence_matches_transformers_chunked_rule():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+    q, k = rand(2, 70, 2, 16), rand(2, 70, 2, 16)
+    v = rand(2, 70, 4, 16)
+    g, beta = -torch.rand(2, 70, 4), torch.rand(2, 70, 4)
+    want, want_state = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    got, state = R.gdn_recurrence(q, k, v, g, beta)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
+
+
+# -------------------------------------------------------------------------------------------- sampling
+def _sampling_args(b, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    return (torch.full((b,), float(temperature)), torch.full((b,), top_k, dtype=torch.int64),
+            torch.full((b,), float(top_p)), torch.arange(b, dtype=torch.int64) + seed * 1000,
+            torch.zeros(b, dtype=torch.int64))
+
+
+def test_greedy_and_top_k_1_are_argmax():
+    logits = rand(5, 300)
+    for args in (_sampling_args(5, temperature=0.0), _sampling_args(5, top_k=1)):
+        tokens, _ = R.sample_tokens(logits, *args)
+        assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_sampling_is_a_pure_function_of_seed_and_offset():
+    logits = rand(4, 1000)
+    a = R.sample_tokens(logits, *_sampling_args(4, seed=1))[0]
+    b = R.sample_tokens(logits, *_sampling_args(4, seed=1))[0]
+    c = torch.stack([R.sample_tokens(logits, *_sampling_args(4, seed=s))[0] for s in range(2, 12)])
+    assert torch.equal(a, b)
+    assert (c != a).any()
+
+
+def test_uniform_noise_is_uniform_and_in_open_interval():
+    u = R.uniform_noise(torch.tensor([7, 8]), torch.tensor([0, 3]), 200_000)
+    assert (u > 0).all() and (u < 1).all()
+    assert abs(u.mean().item() - 0.5) < 0.005 and abs(u.var().item() - 1 / 12) < 0.002
+    assert not torch.equal(u[0], u[1])
+
+
+def test_temperature_sampling_matches_softmax_distribution():
+    """Chi-square test on a 6-token vocabulary, 60k draws (one row each, fixed seeds)."""
+    n, temp = 60_000, 0.7
+    logits = torch.tensor([1.0, 0.5, -0.3, 2.0, 0.0, -1.0]).expand(n, 6)
+    args = _sampling_args(n, temperature=temp)
+    tokens, logprobs = R.sample_tokens(logits, *args)
+    expected = torch.softmax(logits[0] / temp, -1) * n
+    observed = torch.bincount(tokens, minlength=6).float()
+    chi2 = (((observed - expected) ** 2) / expected).sum().item()
+    assert chi2 < 20.5  # p = 0.001 for 5 degrees of freedom
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits / temp, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.6), (4, 0.5)])
+def test_top_k_top_p_keep_the_same_tokens_as_transformers_warpers(top_k, top_p):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    n = 4000
+    logits = rand(1, 12, scale=2.0).expand(n, 12).contiguous()
+    allowed = logits[:1].clone()
+    if top_k:
+        allowed = TopKLogitsWarper(top_k)(None, allowed)
+    if top_p < 1.0:
+        allowed = TopPLogitsWarper(top_p)(None, allowed)
+    keep = torch.isfinite(allowed[0])
+    tokens, _ = R.sample_tokens(logits, *_sampling_args(n, top_k=top_k, top_p=top_p))
+    seen = torch.zeros(12, dtype=torch.bool)
+    seen[tokens.unique()] = True
+    assert torch.equal(seen, keep)
