@@ -28,12 +28,3 @@ def test_missing_native_kernels_are_announced_once(caplog, monkeypatch):
         assert sum("reference path" in r.message for r in caplog.records) == 1
     finally:
         extension.native_ops.cache_clear()
-
-
-def test_recording_autograd_is_never_native(monkeypatch):
-    monkeypatch.setattr(dispatch, "has_native", lambda op: True)
-    x = torch.randn(2, 8)
-    w = torch.randn(4, 8, requires_grad=True)
-    assert not dispatch.eligible("linear", x, w)  # CPU anyway, but also grad-recording
-    with torch.no_grad():
-        assert not dispatch.eligible("linear", x, w)  # still CPU: reference
