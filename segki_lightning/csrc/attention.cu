@@ -1,0 +1,205 @@
+// Decode attention (flash-decoding): one query token per row against a KV cache with per-row valid
+// lengths read on the device. Pass 1 splits each row's valid prefix [0, len) evenly over a fixed number of
+// blocks per KV head (so the grid is static for graph capture, and time follows len, not the cache size);
+// each block serves all G query heads of its KV head and keeps an online softmax. Pass 2 merges the splits.
+#include "common.cuh"
+
+#include <type_traits>
+
+namespace segki {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kPos = 4;  // positions whose K and V rows a warp loads before using them
+
+template <typename T, int E>
+__device__ __forceinline__ void load_row(const T* p, float f[E]) {
+  if constexpr (E == 8) {
+    unpack8<T>(ld_cached(p), f);
+  } else if constexpr (E == 4) {
+    uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = to_float<T>(h[i]);
+  } else {
+    uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(p));
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) f[i] = to_float<T>(h[i]);
+  }
+}
+
+template <typename L>
+__device__ __forceinline__ int row_length(const L* lengths, int b) { return (int)lengths[b]; }
+
+// grid (splits, Hkv, B); partial results [B, Hq, splits, D] (+ max and sum [B, Hq, splits]).
+template <typename T, int D, int MAXG, typename L>
+__global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
+    const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const L* __restrict__ lengths,
+    float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int hq, int hkv, int s_max,
+    int g, float scale) {
+  constexpr int E = D / 32;
+  const int split = blockIdx.x, splits = gridDim.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int len = min(row_length(lengths, b), s_max);
+  const int chunk = (len + splits - 1) / splits;
+  const int s0 = min(len, split * chunk), s1 = min(len, s0 + chunk);
+  const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
+  const int w0 = min(s1, s0 + warp * per_warp), w1 = min(s1, w0 + per_warp);
+
+  float qf[MAXG][E], acc[MAXG][E], m[MAXG], l[MAXG];
+#pragma unroll
+  for (int h = 0; h < MAXG; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
+    if (h < g) {
+      load_row<T, E>(q + ((size_t)b * hq + kvh * g + h) * D + lane * E, qf[h]);
+#pragma unroll
+      for (int e = 0; e < E; ++e) qf[h][e] *= scale;
+    }
+  }
+  const size_t base = ((size_t)b * hkv + kvh) * s_max * D + lane * E;
+  for (int p0 = w0; p0 < w1; p0 += kPos) {
+    float kf[kPos][E], vf[kPos][E];
+#pragma unroll
+    for (int i = 0; i < kPos; ++i)
+      if (p0 + i < w1) {
+        load_row<T, E>(kc + base + (size_t)(p0 + i) * D, kf[i]);
+        load_row<T, E>(vc + base + (size_t)(p0 + i) * D, vf[i]);
+      }
+#pragma unroll
+    for (int i = 0; i < kPos; ++i) {
+      if (p0 + i >= w1) break;
+#pragma unroll
+      for (int h = 0; h < MAXG; ++h) {
+        if (h >= g) break;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) s = fmaf(qf[h][e], kf[i][e], s);
+        s = warp_sum(s);
+        const float m_new = fmaxf(m[h], s);
+        const float corr = __expf(m[h] - m_new), p = __expf(s - m_new);
+        l[h] = l[h] * corr + p;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] = fmaf(p, vf[i][e], acc[h][e] * corr);
+        m[h] = m_new;
+      }
+    }
+  }
+  // merge the warps of this block through shared memory
+  __shared__ float sm_acc[kWarps][MAXG][D];
+  __shared__ float sm_m[kWarps][MAXG], sm_l[kWarps][MAXG];
+#pragma unroll
+  for (int h = 0; h < MAXG; ++h) {
+    if (h >= g) break;
+#pragma unroll
+    for (int e = 0; e < E; ++e) sm_acc[warp][h][lane * E + e] = acc[h][e];
+    if (lane == 0) {
+      sm_m[warp][h] = m[h];
+      sm_l[warp][h] = l[h];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < g * D; idx += blockDim.x) {
+    const int h = idx / D, d = idx % D;
+    float mm = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mm = fmaxf(mm, sm_m[w][h]);
+    float ll = 0.f, aa = 0.f;
+    if (mm > -INFINITY)
+      for (int w = 0; w < kWarps; ++w) {
+        const float c = __expf(sm_m[w][h] - mm);
+        ll += sm_l[w][h] * c;
+        aa += sm_acc[w][h][d] * c;
+      }
+    const size_t o = ((size_t)b * hq + kvh * g + h) * splits + split;
+    part_acc[o * D + d] = aa;
+    if (d == 0) {
+      part_m[o] = mm;
+      part_l[o] = ll;
+    }
+  }
+}
+
+// grid (Hq, B), D threads: out = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}.
+template <typename T, int D>
+__global__ void attn_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_m,
+                                    const float* __restrict__ part_l, T* __restrict__ out, int hq, int splits) {
+  const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
+  const size_t o = ((size_t)b * hq + h) * splits;
+  float mm = -INFINITY;
+  for (int s = 0; s < splits; ++s) mm = fmaxf(mm, part_m[o + s]);
+  float ll = 0.f, aa = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ms = part_m[o + s];
+    if (ms == -INFINITY) continue;
+    const float c = __expf(ms - mm);
+    ll += part_l[o + s] * c;
+    aa += part_acc[(o + s) * D + d] * c;
+  }
+  out[((size_t)b * hq + h) * D + d] = from_float<T>(aa / ll);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
+                            const at::Tensor& lengths, double scale) {
+  const char* op = "segki::decode_attention";
+  check_cuda_half(q, op, "q", q.scalar_type());
+  check_cuda_half(kc, op, "k_cache", q.scalar_type());
+  check_cuda_half(vc, op, "v_cache", q.scalar_type());
+  TORCH_CHECK(q.dim() == 3 && kc.dim() == 4 && kc.sizes() == vc.sizes(), op,
+              ": expected q [B, Hq, D] and caches [B, Hkv, S, D], got ", q.sizes(), " and ", kc.sizes());
+  const int bsz = (int)q.size(0), hq = (int)q.size(1), d = (int)q.size(2);
+  const int hkv = (int)kc.size(1), s_max = (int)kc.size(2);
+  TORCH_CHECK(kc.size(0) == bsz && kc.size(3) == d && hq % hkv == 0, op, ": q ", q.sizes(), " and cache ",
+              kc.sizes(), " do not match (GQA needs Hq % Hkv == 0)");
+  const int g = hq / hkv;
+  TORCH_CHECK(g <= 8, op, ": at most 8 query heads per KV head, got ", g);
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, op, ": head_dim must be 64, 128 or 256, got ", d);
+  TORCH_CHECK(lengths.is_cuda() && lengths.dim() == 1 && lengths.size(0) == bsz &&
+                  (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
+              op, ": lengths must be a CUDA int32/int64 tensor [B]");
+  auto out = at::empty_like(q);
+  if (bsz == 0) return out;
+  c10::cuda::CUDAGuard guard(q.device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int splits = std::max(1, std::min({(2 * sms + bsz * hkv - 1) / (bsz * hkv), 256, (s_max + 15) / 16}));
+  auto fopt = q.options().dtype(at::kFloat);
+  auto part_acc = at::empty({bsz, hq, splits, d}, fopt);
+  auto part_m = at::empty({bsz, hq, splits}, fopt);
+  auto part_l = at::empty({bsz, hq, splits}, fopt);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto lens = lengths.to(at::kInt).contiguous();
+  SEGKI_DISPATCH_HALF(q.scalar_type(), op, [&] {
+    auto run = [&](auto d_const, auto g_const, auto l_tag) {
+      constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
+      using L = typename decltype(l_tag)::type;
+      attn_partial_kernel<T, DD, GG, L><<<dim3(splits, hkv, bsz), kWarps * 32, 0, stream>>>(
+          reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kc.data_ptr()),
+          reinterpret_cast<const T*>(vc.data_ptr()), lens.data_ptr<L>(), part_acc.data_ptr<float>(),
+          part_m.data_ptr<float>(), part_l.data_ptr<float>(), hq, hkv, s_max, g, (float)scale);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      attn_combine_kernel<T, DD><<<dim3(hq, bsz), DD, 0, stream>>>(
+          part_acc.data_ptr<float>(), part_m.data_ptr<float>(), part_l.data_ptr<float>(),
+          reinterpret_cast<T*>(out.data_ptr()), hq, splits);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto by_len = [&](auto d_const, auto g_const) { run(d_const, g_const, std::type_identity<int32_t>{}); };
+    auto by_g = [&](auto d_const) {
+      if (g == 1) by_len(d_const, std::integral_constant<int, 1>{});
+      else if (g == 2) by_len(d_const, std::integral_constant<int, 2>{});
+      else if (g <= 4) by_len(d_const, std::integral_constant<int, 4>{});
+      else by_len(d_const, std::integral_constant<int, 8>{});
+    };
+    if (d == 64) by_g(std::integral_constant<int, 64>{});
+    else if (d == 128) by_g(std::integral_constant<int, 128>{});
+    else by_g(std::integral_constant<int, 256>{});
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("decode_attention", &decode_attention); }
+
+}  // namespace segki

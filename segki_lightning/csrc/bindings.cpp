@@ -1,0 +1,21 @@
+// Op schemas of the `segki` library. Each kernel family registers its CUDA implementation beside its
+// kernel (TORCH_LIBRARY_IMPL in the .cu file); the pure-PyTorch references live in
+// segki_lightning/ops/reference with the same names and signatures.
+#include <torch/library.h>
+
+TORCH_LIBRARY(segki, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor");
+  m.def("qkv_proj(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v)"
+        " -> (Tensor, Tensor, Tensor)");
+  m.def("gdn_in_proj(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a)"
+        " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale) -> Tensor");
+  m.def("gdn_decode_step(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight,"
+        " Tensor? conv_bias, Tensor(b!) recurrent_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight,"
+        " float norm_eps, int num_k_heads, int head_k_dim, int head_v_dim) -> Tensor");
+  m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed,"
+        " Tensor offset) -> (Tensor, Tensor)");
+}

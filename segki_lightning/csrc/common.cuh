@@ -1,0 +1,116 @@
+// Shared device helpers: 16-byte vector loads, bf16/fp16 <-> fp32, warp/block reductions, launch checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+namespace segki {
+
+// 8 half-precision values in one 16-byte register quad.
+template <typename T>
+struct Pack8 {
+  uint4 raw;
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+
+// Round an fp32 value through T (what a PyTorch op producing a T tensor does).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) { return to_float<T>(from_float<T>(v)); }
+
+// Streaming 16-byte load that bypasses L1 (weights are read once per step).
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ uint4 ld_cached(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+
+template <typename T>
+__device__ __forceinline__ void unpack8(uint4 u, float f[8]) {
+  const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = to_float<T>(h[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float f[8]) {
+  uint4 u;
+  T* h = reinterpret_cast<T*>(&u);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) h[i] = from_float<T>(f[i]);
+  return u;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : 0.f;
+  return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch /* [32] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// Map a torch half dtype to its CUDA type and run the body with `T` bound to it.
+#define SEGKI_DISPATCH_HALF(dtype, NAME, ...)                                              \
+  [&] {                                                                                    \
+    if ((dtype) == at::kBFloat16) {                                                        \
+      using T = __nv_bfloat16;                                                             \
+      return __VA_ARGS__();                                                                \
+    } else if ((dtype) == at::kHalf) {                                                     \
+      using T = __half;                                                                    \
+      return __VA_ARGS__();                                                                \
+    }                                                                                      \
+    TORCH_CHECK(false, NAME, ": native kernels take bfloat16 or float16, got ", (dtype),   \
+                "; fp32 models run the reference path");                                  \
+  }()
+
+inline void check_cuda_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+}  // namespace segki

@@ -1,0 +1,154 @@
+// Fused Gated-DeltaNet decode step (after the input projections), two kernels instead of the ~15 ops
+// transformers runs per layer and token:
+//   1. conv: shift the conv state left by one, append the new q|k|v token, depthwise conv + SiLU.
+//   2. recurrence: per (row, value head): q/k L2-norm, gates, delta-rule update of the fp32 state in
+//      place (each thread keeps Dk/4 state entries of one column in registers), output, gated RMSNorm.
+// Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
+// rounded to the activation dtype exactly where the reference does).
+#include "common.cuh"
+
+namespace segki {
+namespace {
+
+constexpr int kMaxWidth = 8;
+
+template <typename T>
+__global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_state, const T* __restrict__ w,
+                                const T* __restrict__ bias, T* __restrict__ mixed, int c_total, int width) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
+  if (c >= c_total) return;
+  T* st = conv_state + ((size_t)b * c_total + c) * width;
+  float win[kMaxWidth];
+  for (int i = 0; i + 1 < width; ++i) win[i] = to_float<T>(st[i + 1]);
+  win[width - 1] = to_float<T>(qkv[(size_t)b * c_total + c]);
+  float acc = 0.f;
+  for (int i = 0; i < width; ++i) {
+    st[i] = from_float<T>(win[i]);
+    acc += win[i] * to_float<T>(w[(size_t)c * width + i]);
+  }
+  if (bias) acc += to_float<T>(bias[c]);
+  mixed[(size_t)b * c_total + c] = from_float<T>(acc / (1.f + expf(-acc)));
+}
+
+// grid (Hv, B), block 4 * Dv threads.
+template <typename T, int DK>
+__global__ void __launch_bounds__(1024) gdn_recurrent_kernel(
+    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
+    float* __restrict__ state, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
+  constexpr int R = DK / 4;
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int j = threadIdx.x % dv, ty = threadIdx.x / dv;
+  const int c_total = 2 * hk * DK + hv * dv;
+  const int kh = h / (hv / hk);
+  __shared__ float sq[DK], sk[DK], red[4][256], scratch[32];
+  const T* row = mixed + (size_t)b * c_total;
+  float qq = 0.f, kk = 0.f;
+  if (threadIdx.x < DK) {
+    const float qv = to_float<T>(row[kh * DK + threadIdx.x]);
+    const float kv = to_float<T>(row[hk * DK + kh * DK + threadIdx.x]);
+    sq[threadIdx.x] = qv;
+    sk[threadIdx.x] = kv;
+    qq = qv * qv;
+    kk = kv * kv;
+  }
+  const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f);
+  const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
+  const float v = to_float<T>(row[2 * hk * DK + h * dv + j]);
+  const float g = -expf(a_log[h]) * [](float x) { return x > 20.f ? x : log1pf(expf(x)); }(
+                      to_float<T>(agate[(size_t)b * hv + h]) + dt_bias[h]);
+  const float beta = round_to<T>(1.f / (1.f + expf(-to_float<T>(bgate[(size_t)b * hv + h]))));
+  const float decay = expf(g);
+  const float qs = rsqrtf((float)DK);
+
+  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;  // column j, rows ty*R ...
+  float s[R];
+  float part = 0.f;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    s[i] = st[(size_t)i * dv] * decay;
+    part += s[i] * (sk[ty * R + i] * k_scale);
+  }
+  red[ty][j] = part;
+  __syncthreads();
+  const float kv_mem = red[0][j] + red[1][j] + red[2][j] + red[3][j];
+  const float delta = (v - kv_mem) * beta;
+  __syncthreads();
+  part = 0.f;
+#pragma unroll
+  for (int i = 0; i < R; ++i) {
+    s[i] += sk[ty * R + i] * k_scale * delta;
+    st[(size_t)i * dv] = s[i];
+    part += s[i] * (sq[ty * R + i] * q_scale * qs);
+  }
+  red[ty][j] = part;
+  __syncthreads();
+  const float o = round_to<T>(red[0][j] + red[1][j] + red[2][j] + red[3][j]);
+  const float var = block_sum(ty == 0 ? o * o : 0.f, scratch) / dv;
+  if (ty == 0) {
+    const float n = round_to<T>(o * rsqrtf(var + eps));
+    const float t = round_to<T>(to_float<T>(norm_w[j]) * n);
+    const float zz = to_float<T>(z[((size_t)b * hv + h) * dv + j]);
+    out[((size_t)b * hv + h) * dv + j] = from_float<T>(t * (zz / (1.f + expf(-zz))));
+  }
+}
+
+at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b, const at::Tensor& a,
+                           at::Tensor& conv_state, const at::Tensor& conv_weight,
+                           const c10::optional<at::Tensor>& conv_bias, at::Tensor& recurrent_state,
+                           const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                           double norm_eps, int64_t num_k_heads, int64_t head_k_dim, int64_t head_v_dim) {
+  const char* op = "segki::gdn_decode_step";
+  const auto dt = qkv.scalar_type();
+  for (auto* t : {&qkv, &z, &b, &a, &conv_weight, &norm_weight})
+    check_cuda_half(*t, op, "input", dt);
+  check_cuda_half(conv_state, op, "conv_state", dt);
+  if (conv_bias) check_cuda_half(*conv_bias, op, "conv_bias", dt);
+  TORCH_CHECK(recurrent_state.is_cuda() && recurrent_state.scalar_type() == at::kFloat &&
+                  recurrent_state.is_contiguous(), op, ": recurrent_state must be a contiguous fp32 CUDA tensor");
+  const int bsz = (int)qkv.size(0), c_total = (int)qkv.size(1), width = (int)conv_state.size(2);
+  const int hk = (int)num_k_heads, dk = (int)head_k_dim, dv = (int)head_v_dim;
+  const int hv = (int)(z.size(1) / dv);
+  TORCH_CHECK(c_total == 2 * hk * dk + hv * dv, op, ": qkv width ", c_total, " != 2*Hk*Dk + Hv*Dv");
+  TORCH_CHECK(width <= kMaxWidth && conv_weight.size(0) == c_total && conv_weight.size(1) == width, op,
+              ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
+  TORCH_CHECK(recurrent_state.sizes() == at::IntArrayRef({bsz, hv, dk, dv}), op, ": recurrent_state ",
+              recurrent_state.sizes(), " != [B, Hv, Dk, Dv]");
+  TORCH_CHECK(dk == 64 || dk == 128 || dk == 256, op, ": head_k_dim must be 64, 128 or 256");
+  TORCH_CHECK(dv % 32 == 0 && dv <= 256 && hv % hk == 0, op, ": head_v_dim must be a multiple of 32 up to 256");
+  TORCH_CHECK(a_log.is_cuda() && dt_bias.is_cuda(), op, ": A_log and dt_bias must be CUDA tensors");
+  const auto a_log_f = a_log.to(at::kFloat).contiguous(), dt_bias_f = dt_bias.to(at::kFloat).contiguous();
+  auto mixed = at::empty_like(qkv);
+  auto out = at::empty({bsz, hv * dv}, qkv.options());
+  if (bsz == 0) return out;
+  c10::cuda::CUDAGuard guard(qkv.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  SEGKI_DISPATCH_HALF(dt, op, [&] {
+    gdn_conv_kernel<T><<<dim3((c_total + 255) / 256, bsz), 256, 0, stream>>>(
+        reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(conv_state.data_ptr()),
+        reinterpret_cast<const T*>(conv_weight.data_ptr()),
+        conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
+        reinterpret_cast<T*>(mixed.data_ptr()), c_total, width);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto launch = [&](auto dk_const) {
+      constexpr int DK = decltype(dk_const)::value;
+      gdn_recurrent_kernel<T, DK><<<dim3(hv, bsz), 4 * dv, 0, stream>>>(
+          reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
+          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()),
+          recurrent_state.data_ptr<float>(), a_log_f.data_ptr<float>(), dt_bias_f.data_ptr<float>(),
+          reinterpret_cast<const T*>(norm_weight.data_ptr()),
+          reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (dk == 64) launch(std::integral_constant<int, 64>{});
+    else if (dk == 128) launch(std::integral_constant<int, 128>{});
+    else launch(std::integral_constant<int, 256>{});
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("gdn_decode_step", &gdn_decode_step); }
+
+}  // namespace segki

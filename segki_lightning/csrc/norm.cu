@@ -1,0 +1,95 @@
+// RMSNorm and residual-add + RMSNorm, one block per row, fp32 statistics, both weight forms:
+//   unit_offset=false: w * to_T(x * rsqrt(mean(x^2) + eps))        (Llama, Qwen3)
+//   unit_offset=true:  to_T(x * rsqrt(mean(x^2) + eps) * (1 + w))  (Qwen3.5), 1 + w from the live weight
+#include "common.cuh"
+
+namespace segki {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T, bool ADD>
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
+                                                            const T* __restrict__ w, T* __restrict__ out,
+                                                            T* __restrict__ new_res, int h, float eps,
+                                                            bool unit_offset) {
+  __shared__ float scratch[32];
+  const size_t row = blockIdx.x;
+  const T* xr = x + row * h;
+  float ss = 0.f;
+  for (int i = threadIdx.x * 8; i < h; i += kThreads * 8) {  // pass 1: (add,) sum of squares
+    float v[8];
+    unpack8<T>(ld_cached(xr + i), v);
+    if constexpr (ADD) {
+      float r[8];
+      unpack8<T>(ld_cached(res + row * h + i), r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = round_to<T>(r[j] + v[j]);
+      *reinterpret_cast<uint4*>(new_res + row * h + i) = pack8<T>(v);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+  }
+  const float inv = rsqrtf(block_sum(ss, scratch) / h + eps);
+  const T* src = ADD ? new_res + row * h : xr;
+  for (int i = threadIdx.x * 8; i < h; i += kThreads * 8) {  // pass 2: normalize and scale
+    float v[8], wf[8];
+    unpack8<T>(ADD ? *reinterpret_cast<const uint4*>(src + i) : ld_cached(src + i), v);
+    unpack8<T>(ld_cached(w + i), wf);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      v[j] = unit_offset ? v[j] * inv * (1.f + wf[j]) : wf[j] * round_to<T>(v[j] * inv);
+    *reinterpret_cast<uint4*>(out + row * h + i) = pack8<T>(v);
+  }
+}
+
+void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
+  check_cuda_half(x, op, "x", x.scalar_type());
+  check_cuda_half(w, op, "weight", x.scalar_type());
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), op, ": weight ", w.sizes(), " does not match width ",
+              x.size(-1));
+  TORCH_CHECK(x.size(-1) % 8 == 0, op, ": width ", x.size(-1), " must be a multiple of 8");
+}
+
+template <bool ADD>
+void launch(const char* op, const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, at::Tensor& out,
+            at::Tensor* new_res, double eps, bool unit_offset) {
+  const int h = (int)x.size(-1);
+  const int rows = (int)(x.numel() / h);
+  if (rows == 0) return;
+  c10::cuda::CUDAGuard guard(x.device());
+  SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
+    rms_norm_kernel<T, ADD><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const T*>(x.data_ptr()), res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr,
+        reinterpret_cast<const T*>(w.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
+        new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
+  check_norm("segki::rms_norm", x, w);
+  auto out = at::empty_like(x);
+  launch<false>("segki::rms_norm", x, nullptr, w, out, nullptr, eps, unit_offset);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w,
+                                                double eps, bool unit_offset) {
+  check_norm("segki::add_rms_norm", x, w);
+  check_cuda_half(res, "segki::add_rms_norm", "residual", x.scalar_type());
+  TORCH_CHECK(res.sizes() == x.sizes(), "segki::add_rms_norm: residual ", res.sizes(), " != x ", x.sizes());
+  auto out = at::empty_like(x);
+  auto new_res = at::empty_like(x);
+  launch<true>("segki::add_rms_norm", x, &res, w, out, &new_res, eps, unit_offset);
+  return {out, new_res};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(segki, CUDA, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}
+
+}  // namespace segki

@@ -1,0 +1,69 @@
+"""Build and load the native ``segki`` extension (just in time, ninja, cached per torch version and arch).
+
+Ahead of time: ``python -m segki_lightning.ops.build`` builds for the visible GPU and prints where;
+``python -m segki_lightning.ops.build --arch 9.0`` builds for sm_90 without a GPU (CI does this).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from .extension import kernel_sources
+
+NAME = "segki_ext"
+
+
+def _arch_list(arch: str | None) -> str:
+    if arch:
+        return arch
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}.{minor}"
+
+
+def build_dir(arch: str) -> Path:
+    root = Path(os.environ.get("SEGKI_CACHE", Path.home() / ".cache" / "segki_lightning"))
+    tag = f"torch{torch.__version__.replace('+', '_')}-sm{arch.replace('.', '')}"
+    path = root / tag
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _include_dirs() -> list[str]:
+    """The pip CUDA headers (``nvidia/cu13/include``) when present: torch's headers need them."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    return [str(p) for p in sorted(site.glob("nvidia/cu*/include")) if p.is_dir()]
+
+
+def load(arch: str | None = None, verbose: bool = False) -> Path:
+    """Compile (if needed) and load the extension into ``torch.ops.segki``; return the library path."""
+    if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
+        os.environ["CUDA_HOME"] = "/usr/local/cuda"  # before cpp_extension derives it from a wrapper nvcc
+    from torch.utils.cpp_extension import load as cpp_load
+
+    arch = _arch_list(arch)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+    out = build_dir(arch)
+    cpp_load(name=NAME, sources=[str(s) for s in kernel_sources()], build_directory=str(out),
+             extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-lineinfo"],
+             extra_include_paths=_include_dirs(), is_python_module=False, verbose=verbose)
+    from . import fake  # noqa: F401  (meta implementations for tracing / torch.compile)
+
+    return out / f"{NAME}.so"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", help="compute capability to build for, e.g. 9.0 (default: the visible GPU)")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    if args.arch is None and not torch.cuda.is_available():
+        parser.error("no CUDA device visible: pass --arch (e.g. --arch 9.0) to build without a GPU")
+    print(load(args.arch, args.verbose))
+
+
+if __name__ == "__main__":
+    main()

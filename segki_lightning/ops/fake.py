@@ -1,0 +1,54 @@
+"""Shape/dtype ("fake") implementations of the ops that return tensors, for tracing and torch.compile."""
+from __future__ import annotations
+
+import torch
+
+
+def _out(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("segki::linear")
+def _linear(x, w, b):
+    return _out(x, w.shape[0])
+
+
+@torch.library.register_fake("segki::gated_mlp_front")
+def _gated(x, wg, wu):
+    return _out(x, wg.shape[0])
+
+
+@torch.library.register_fake("segki::qkv_proj")
+def _qkv(x, wq, wk, wv, bq, bk, bv):
+    return _out(x, wq.shape[0]), _out(x, wk.shape[0]), _out(x, wv.shape[0])
+
+
+@torch.library.register_fake("segki::gdn_in_proj")
+def _gdn_in(x, wqkv, wz, wb, wa):
+    return tuple(_out(x, w.shape[0]) for w in (wqkv, wz, wb, wa))
+
+
+@torch.library.register_fake("segki::rms_norm")
+def _rms(x, w, eps, unit_offset):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("segki::add_rms_norm")
+def _add_rms(x, res, w, eps, unit_offset):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("segki::decode_attention")
+def _attn(q, k, v, lengths, scale):
+    return torch.empty_like(q)
+
+
+@torch.library.register_fake("segki::gdn_decode_step")
+def _gdn_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, state, a_log, dt_bias, norm_w, eps, hk, dk, dv):
+    return z.new_empty(z.shape)
+
+
+@torch.library.register_fake("segki::sample_tokens")
+def _sample(logits, temperature, top_k, top_p, seed, offset):
+    b = logits.shape[0]
+    return logits.new_empty((b,), dtype=torch.long), logits.new_empty((b,), dtype=torch.float32)
