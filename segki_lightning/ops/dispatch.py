@@ -16,15 +16,19 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GEMV_ROWS = 64
 
 
-def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None) -> bool:
-    """Whether ``torch.ops.segki.<op>`` may run on these tensors (None entries are optional inputs)."""
+def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True) -> bool:
+    """Whether ``torch.ops.segki.<op>`` may run on these tensors: all CUDA, contiguous and of one half
+    dtype (None entries are absent optional inputs), no autograd recording, at most ``max_rows`` rows of
+    the first tensor, and the op's own shape limits (``shape_ok``)."""
     present = [t for t in tensors if t is not None]
     first = present[0]
-    if first.device.type != "cuda" or first.dtype not in NATIVE_DTYPES:
+    if not shape_ok or first.device.type != "cuda" or first.dtype not in NATIVE_DTYPES:
+        return False
+    if any(t.device != first.device or t.dtype != first.dtype or not t.is_contiguous() for t in present):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
-    if max_rows is not None and first.numel() // first.shape[-1] > max_rows:
+    if max_rows is not None and first.numel() // max(first.shape[-1], 1) > max_rows:
         return False
     return has_native(op)
 
@@ -41,49 +45,51 @@ def _native(op: str):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`."""
-    if eligible("linear", x, weight, bias, max_rows=MAX_GEMV_ROWS):
+    if eligible("linear", x, weight, bias, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias)
     return reference.linear(x, weight, bias)
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     """See :func:`reference.gated_mlp_front`."""
-    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_GEMV_ROWS):
+    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
     return reference.gated_mlp_front(x, w_gate, w_up)
 
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
     """See :func:`reference.qkv_proj`."""
-    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_GEMV_ROWS):
+    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_GEMV_ROWS,
+                shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
     return reference.qkv_proj(x, w_q, w_k, w_v, b_q, b_k, b_v)
 
 
 def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """See :func:`reference.gdn_in_proj`."""
-    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_GEMV_ROWS):
+    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
     return reference.gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
     """See :func:`reference.rms_norm`."""
-    if eligible("rms_norm", x, weight):
+    if eligible("rms_norm", x, weight, shape_ok=x.shape[-1] % 8 == 0):
         return _native("rms_norm")(x, weight, eps, unit_offset)
     return reference.rms_norm(x, weight, eps, unit_offset)
 
 
 def add_rms_norm(x, residual, weight, eps: float, unit_offset: bool) -> tuple[Tensor, Tensor]:
     """See :func:`reference.add_rms_norm`."""
-    if eligible("add_rms_norm", x, residual, weight):
+    if eligible("add_rms_norm", x, residual, weight, shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("add_rms_norm")(x, residual, weight, eps, unit_offset))
     return reference.add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
 def decode_attention(q, k_cache, v_cache, lengths, scale: float) -> Tensor:
     """See :func:`reference.decode_attention`."""
-    if eligible("decode_attention", q, k_cache, v_cache):
+    ok = q.shape[-1] in (64, 128, 256) and q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 8
+    if eligible("decode_attention", q, k_cache, v_cache, shape_ok=ok and lengths.is_cuda):
         return _native("decode_attention")(q, k_cache, v_cache, lengths, scale)
     return reference.decode_attention(q, k_cache, v_cache, lengths, scale)
 
@@ -92,7 +98,9 @@ def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_
                     norm_weight, norm_eps: float, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """See :func:`reference.gdn_decode_step`."""
     args = (qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias, norm_weight)
-    if eligible("gdn_decode_step", *args):
+    ok = (head_k_dim in (64, 128, 256) and head_v_dim % 32 == 0 and head_v_dim <= 256 and conv_state.shape[-1] <= 8
+          and recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous())
+    if eligible("gdn_decode_step", qkv, z, b, a, conv_state, conv_weight, conv_bias, norm_weight, shape_ok=ok):
         return _native("gdn_decode_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
     return reference.gdn_decode_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
 

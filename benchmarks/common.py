@@ -1,0 +1,66 @@
+"""Timing helpers shared by the benchmarks: copy-bandwidth ceiling and CUDA-graph replay timing."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def copy_bandwidth_gbps(gib: int = 2) -> float:
+    """Device-to-device copy of ``gib`` GiB, counting bytes read plus written (median of 10)."""
+    a = torch.empty(gib * 2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / statistics.median(times) / 1e9
+
+
+def graph_time_us(fns: list[Callable[[], object]], calls: int = 32, reps: int = 15) -> float:
+    """Median time per call (µs) of ``fns`` called round-robin inside one captured CUDA graph.
+
+    Several functions over distinct input copies keep the weights out of L2 between calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def write_results(out: Path, name: str, rows: list[dict], columns: list[str], header: str) -> None:
+    """``out/name.json`` (all fields) and ``out/name.md`` (the listed columns)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU session: build the extension, run the GPU tests, run the kernel benchmark.
+#   bash benchmarks/run_gpu.sh --out DIR [pytest -k expression]
+set -uo pipefail
+[[ ${1:-} == --out ]] || { echo "usage: $0 --out DIR [-k EXPR]"; exit 2; }
+out=$2; shift 2
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+start=$(date +%s)
+python3 -m segki_lightning.ops.build 2>&1 | tail -3 | tee "$out/build.log"
+echo "build: $(( $(date +%s) - start )) s"
+python3 -m pytest -q -x tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
+python3 benchmarks/kernels.py --out "$out" 2>&1 | tee "$out/kernels.log" | tail -45

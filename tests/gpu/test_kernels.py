@@ -1,0 +1,220 @@
+"""Every native op against its reference on fresh random inputs (GPU only).
+
+Outputs are poisoned: before each native call the caching allocator is handed a NaN-filled block of the
+output's size, so an element the kernel fails to write shows up as NaN. Relative error is
+||native - reference|| / ||reference||, the reference run in fp32 on upcast inputs unless the op's
+rounding points are part of its spec. Thresholds per dtype:
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from segki_lightning.ops import dispatch, reference as R
+from segki_lightning.ops.extension import native_ops
+
+pytestmark = pytest.mark.gpu
+
+# one output rounding (2^-8 bf16, 2^-11 fp16) plus fp32 accumulation-order noise
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+BATCHES = [1, 2, 7, 16]
+# (name, K, [N_i]) -- real Qwen3.5-4B / 0.8B decode shapes plus odd sizes
+PROJ_SHAPES = {
+    "4b_gate_up": (2560, [9216, 9216]), "4b_gdn_in": (2560, [8192, 4096, 32, 32]),
+    "4b_qkv": (2560, [8192, 1024, 1024]), "4b_o_proj": (4096, [2560]), "4b_down": (9216, [2560]),
+    "08b_gate_up": (1024, [3584, 3584]), "08b_gdn_in": (1024, [6144, 2048, 16, 16]),
+    "08b_qkv": (1024, [4096, 512, 512]), "odd": (72, [37, 5, 3, 11]),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if native_ops() is None:
+        pytest.fail("the segki extension did not build/load on this GPU machine")
+
+
+def rel_err(got, want):
+    got, want = got.float(), want.float()
+    assert not torch.isnan(got).any(), "an output element was never written (NaN poison survived)"
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def poison(*shapes, dtype):
+    """Hand the caching allocator NaN-filled blocks of these sizes; the next allocations reuse them."""
+    blocks = [torch.full(s, float("nan"), dtype=dtype, device="cuda") for s in shapes]
+    del blocks
+
+
+def randn(*shape, dtype, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).to(dtype)
+
+
+def f32(*ts):
+    return [t.float() if t is not None else None for t in ts]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("shape", list(PROJ_SHAPES))
+def test_projection_family(shape, batch, dtype):
+    k, ns = PROJ_SHAPES[shape]
+    x = randn(batch, k, dtype=dtype)
+    ws = [randn(n, k, dtype=dtype, scale=k**-0.5) for n in ns]
+    ops = torch.ops.segki
+    if len(ns) == 2:
+        poison((batch, ns[0]), dtype=dtype)
+        got, want = [ops.gated_mlp_front(x, *ws)], [R.gated_mlp_front(*f32(x, *ws))]
+    elif len(ns) == 3:
+        bs = [randn(n, dtype=dtype) for n in ns]
+        poison(*[(batch, n) for n in ns], dtype=dtype)
+        got, want = ops.qkv_proj(x, *ws, *bs), R.qkv_proj(*f32(x, *ws, *bs))
+    elif len(ns) == 4:
+        poison(*[(batch, n) for n in ns], dtype=dtype)
+        got, want = ops.gdn_in_proj(x, *ws), R.gdn_in_proj(*f32(x, *ws))
+    else:
+        poison((batch, ns[0]), dtype=dtype)
+        got, want = [ops.linear(x, ws[0], None)], [R.linear(*f32(x, ws[0]))]
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and g.shape == w.shape
+        assert rel_err(g, w) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 7, 16, 40])
+def test_linear_more_rows_than_one_launch(batch, dtype):
+    x, w, b = randn(batch, 3, 128, dtype=dtype), randn(300, 128, dtype=dtype, scale=0.1), randn(300, dtype=dtype)
+    assert rel_err(torch.ops.segki.linear(x, w, b), R.linear(*f32(x, w, b))) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+@pytest.mark.parametrize("rows,h", [(1, 2560), (7, 1024), (16, 2560), (3, 264)])
+def test_rms_norm_and_residual_add(rows, h, unit_offset, dtype):
+    x, res, w = randn(rows, h, dtype=dtype), randn(rows, h, dtype=dtype), randn(h, dtype=dtype, scale=0.3)
+    poison((rows, h), dtype=dtype)
+    assert rel_err(torch.ops.segki.rms_norm(x, w, 1e-6, unit_offset), R.rms_norm(x, w, 1e-6, unit_offset)) < TOL[dtype]
+    poison((rows, h), (rows, h), dtype=dtype)
+    normed, new_res = torch.ops.segki.add_rms_norm(x, res, w, 1e-6, unit_offset)
+    want_normed, want_res = R.add_rms_norm(x, res, w, 1e-6, unit_offset)
+    assert torch.equal(new_res, want_res)  # one rounded add: exact
+    assert rel_err(normed, want_normed) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("hq,hkv,d,s", [(16, 4, 256, 600), (8, 2, 256, 129), (8, 8, 128, 300), (4, 1, 64, 33)])
+def test_decode_attention(hq, hkv, d, s, batch, dtype):
+    q = randn(batch, hq, d, dtype=dtype)
+    k, v = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
+    lengths = torch.randint(1, s + 1, (batch,), device="cuda")
+    lengths[0] = s
+    want = R.decode_attention(*f32(q, k, v), lengths, d**-0.5)
+    for i, n in enumerate(lengths.tolist()):  # stale data past each row's length must never be read
+        k[i, :, n:] = float("nan")
+        v[i, :, n:] = float("nan")
+    poison((batch, hq, d), dtype=dtype)
+    assert rel_err(torch.ops.segki.decode_attention(q, k, v, lengths, d**-0.5), want) < TOL[dtype]
+
+
+GDN_SHAPES = {"4b": (16, 32, 128, 128), "08b": (16, 16, 128, 128), "odd": (2, 6, 64, 96)}
+
+
+def gdn_inputs(batch, hk, hv, dk, dv, dtype, width=4):
+    c = 2 * hk * dk + hv * dv
+    return dict(
+        qkv=randn(batch, c, dtype=dtype), z=randn(batch, hv * dv, dtype=dtype), b=randn(batch, hv, dtype=dtype),
+        a=randn(batch, hv, dtype=dtype), conv_state=randn(batch, c, width, dtype=dtype),
+        conv_weight=randn(c, width, dtype=dtype, scale=0.5), conv_bias=None,
+        recurrent_state=torch.randn(batch, hv, dk, dv, device="cuda") * 0.1,
+        A_log=randn(hv, dtype=dtype, scale=0.5), dt_bias=randn(hv, dtype=dtype, scale=0.5),
+        norm_weight=(1 + randn(dv, dtype=dtype, scale=0.2)).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("shape", list(GDN_SHAPES))
+def test_gdn_decode_step(shape, batch, dtype):
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    args = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+    ref_args = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in args.items()}
+    poison((batch, hv * dv), (batch, args["qkv"].shape[1]), dtype=dtype)
+    out = torch.ops.segki.gdn_decode_step(*args.values(), 1e-6, hk, dk, dv)
+    want = R.gdn_decode_step(*ref_args.values(), 1e-6, hk, dk, dv)
+    assert torch.equal(args["conv_state"], ref_args["conv_state"])  # pure data movement: exact
+    assert rel_err(args["recurrent_state"], ref_args["recurrent_state"]) < 1e-3
+    assert rel_err(out, want) < TOL[dtype]
+
+
+def sampling_args(b, temperature, top_k=0, top_p=1.0):
+    return (torch.full((b,), float(temperature), device="cuda"), torch.full((b,), top_k, device="cuda"),
+            torch.full((b,), float(top_p), device="cuda"), torch.arange(b, device="cuda") * 7919 + 3,
+            torch.full((b,), 5, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [248320, 1000])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0),
+                                                     (1.0, 0, 0.9), (0.8, 40, 0.8)])
+def test_sample_tokens_match_reference_stream(vocab, temperature, top_k, top_p, dtype):
+    b = 16
+    logits = randn(b, vocab, dtype=dtype, scale=3.0)
+    args = sampling_args(b, temperature, top_k, top_p)
+    tokens, logprobs = torch.ops.segki.sample_tokens(logits, *args)
+    want_tokens, want_logprobs = R.sample_tokens(logits, *args)
+    if temperature == 0.0:
+        assert torch.equal(tokens, logits.float().argmax(-1))
+    # same counter-based stream: identical draws except where two perturbed scores tie within rounding
+    assert (tokens == want_tokens).float().mean().item() >= 15 / 16
+    same = tokens == want_tokens
+    torch.testing.assert_close(logprobs[same], want_logprobs[same], rtol=1e-4, atol=1e-3)
+
+
+def test_every_op_replays_inside_a_cuda_graph():
+    dtype, b = torch.bfloat16, 4
+    x, wg, wu = randn(b, 256, dtype=dtype), randn(512, 256, dtype=dtype, scale=0.06), randn(512, 256, dtype=dtype, scale=0.06)
+    q, kc, vc = randn(b, 8, 128, dtype=dtype), randn(b, 2, 64, 128, dtype=dtype), randn(b, 2, 64, 128, dtype=dtype)
+    lengths = torch.tensor([64, 1, 30, 17], device="cuda")
+    logits = randn(b, 5000, dtype=dtype)
+    sargs = sampling_args(b, 1.0, 20, 0.9)
+    gdn = gdn_inputs(b, 2, 4, 128, 128, dtype)
+
+    def step():
+        return (torch.ops.segki.gated_mlp_front(x, wg, wu), torch.ops.segki.rms_norm(x, wg[0, :256], 1e-6, True),
+                torch.ops.segki.decode_attention(q, kc, vc, lengths, 128**-0.5),
+                torch.ops.segki.sample_tokens(logits, *sargs)[0],
+                torch.ops.segki.gdn_decode_step(*gdn.values(), 1e-6, 2, 128, 128))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(3):  # new inputs copied into the static buffers
+        for t in (x, q, kc, vc, logits):
+            t.copy_(torch.randn_like(t, dtype=torch.float32).to(dtype))
+        lengths.copy_(torch.randint(1, 65, (b,), device="cuda"))
+        sargs[4].add_(1)
+        conv0, rec0 = gdn["conv_state"].clone(), gdn["recurrent_state"].clone()
+        ref_gdn = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in gdn.items()}
+        graph.replay()
+        assert rel_err(outs[0], R.gated_mlp_front(*f32(x, wg, wu))) < 1e-2
+        assert rel_err(outs[1], R.rms_norm(x, wg[0, :256], 1e-6, True)) < 1e-2
+        assert rel_err(outs[2], R.decode_attention(*f32(q, kc, vc), lengths, 128**-0.5)) < 1e-2
+        assert (outs[3] == R.sample_tokens(logits, *sargs)[0]).float().mean() >= 0.75
+        ref_gdn["conv_state"], ref_gdn["recurrent_state"] = conv0, rec0
+        assert rel_err(outs[4], R.gdn_decode_step(*ref_gdn.values(), 1e-6, 2, 128, 128)) < 1e-2
+
+
+def test_dispatch_uses_native_for_eligible_decode_inputs_only():
+    x = randn(2, 256, dtype=torch.bfloat16)
+    w = randn(64, 256, dtype=torch.bfloat16).requires_grad_()
+    assert dispatch.eligible("linear", x, w.detach(), max_rows=dispatch.MAX_GEMV_ROWS)
+    assert not dispatch.eligible("linear", x, w)  # recording autograd -> reference
+    with torch.no_grad():
+        assert dispatch.eligible("linear", x, w)
+    assert not dispatch.eligible("linear", x.float(), w.float().detach())  # fp32 -> reference
+    assert dispatch.backend("linear", torch.bfloat16, "cuda") == "native"
