@@ -7,7 +7,7 @@ out=$2; shift 2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
-python3 -m segki_lightning.ops.build 2>&1 | tail -3 | tee "$out/build.log"
+python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 error "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 python3 benchmarks/kernels.py --out "$out" 2>&1 | tee "$out/kernels.log" | tail -45

@@ -4,8 +4,6 @@
 // each block serves all G query heads of its KV head and keeps an online softmax. Pass 2 merges the splits.
 #include "common.cuh"
 
-#include <type_traits>
-
 namespace segki {
 namespace {
 
@@ -29,19 +27,16 @@ __device__ __forceinline__ void load_row(const T* p, float f[E]) {
   }
 }
 
-template <typename L>
-__device__ __forceinline__ int row_length(const L* lengths, int b) { return (int)lengths[b]; }
-
 // grid (splits, Hkv, B); partial results [B, Hq, splits, D] (+ max and sum [B, Hq, splits]).
-template <typename T, int D, int MAXG, typename L>
+template <typename T, int D, int MAXG>
 __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
-    const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const L* __restrict__ lengths,
+    const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ lengths,
     float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int hq, int hkv, int s_max,
     int g, float scale) {
   constexpr int E = D / 32;
   const int split = blockIdx.x, splits = gridDim.x, kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int len = min(row_length(lengths, b), s_max);
+  const int len = min(lengths[b], s_max);
   const int chunk = (len + splits - 1) / splits;
   const int s0 = min(len, split * chunk), s1 = min(len, s0 + chunk);
   const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
@@ -171,12 +166,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   auto stream = at::cuda::getCurrentCUDAStream();
   auto lens = lengths.to(at::kInt).contiguous();
   SEGKI_DISPATCH_HALF(q.scalar_type(), op, [&] {
-    auto run = [&](auto d_const, auto g_const, auto l_tag) {
+    auto run = [&](auto d_const, auto g_const) {
       constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
-      using L = typename decltype(l_tag)::type;
-      attn_partial_kernel<T, DD, GG, L><<<dim3(splits, hkv, bsz), kWarps * 32, 0, stream>>>(
+      attn_partial_kernel<T, DD, GG><<<dim3(splits, hkv, bsz), kWarps * 32, 0, stream>>>(
           reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kc.data_ptr()),
-          reinterpret_cast<const T*>(vc.data_ptr()), lens.data_ptr<L>(), part_acc.data_ptr<float>(),
+          reinterpret_cast<const T*>(vc.data_ptr()), lens.data_ptr<int>(), part_acc.data_ptr<float>(),
           part_m.data_ptr<float>(), part_l.data_ptr<float>(), hq, hkv, s_max, g, (float)scale);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       attn_combine_kernel<T, DD><<<dim3(hq, bsz), DD, 0, stream>>>(
@@ -184,12 +178,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
           reinterpret_cast<T*>(out.data_ptr()), hq, splits);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    auto by_len = [&](auto d_const, auto g_const) { run(d_const, g_const, std::type_identity<int32_t>{}); };
     auto by_g = [&](auto d_const) {
-      if (g == 1) by_len(d_const, std::integral_constant<int, 1>{});
-      else if (g == 2) by_len(d_const, std::integral_constant<int, 2>{});
-      else if (g <= 4) by_len(d_const, std::integral_constant<int, 4>{});
-      else by_len(d_const, std::integral_constant<int, 8>{});
+      if (g == 1) run(d_const, std::integral_constant<int, 1>{});
+      else if (g == 2) run(d_const, std::integral_constant<int, 2>{});
+      else if (g <= 4) run(d_const, std::integral_constant<int, 4>{});
+      else run(d_const, std::integral_constant<int, 8>{});
     };
     if (d == 64) by_g(std::integral_constant<int, 64>{});
     else if (d == 128) by_g(std::integral_constant<int, 128>{});

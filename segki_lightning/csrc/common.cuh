@@ -8,6 +8,8 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 namespace segki {
 
 // 8 half-precision values in one 16-byte register quad.

@@ -1,11 +1,13 @@
 // Fused Gated-DeltaNet decode step (after the input projections), two kernels instead of the ~15 ops
 // transformers runs per layer and token:
 //   1. conv: shift the conv state left by one, append the new q|k|v token, depthwise conv + SiLU.
-//   2. recurrence: per (row, value head): q/k L2-norm, gates, delta-rule update of the fp32 state in
-//      place (each thread keeps Dk/4 state entries of one column in registers), output, gated RMSNorm.
+//   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
+//      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
 // Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
 // rounded to the activation dtype exactly where the reference does).
 #include "common.cuh"
+
+#include <cooperative_groups.h>
 
 namespace segki {
 namespace {
@@ -30,63 +32,77 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_
   mixed[(size_t)b * c_total + c] = from_float<T>(acc / (1.f + expf(-acc)));
 }
 
-// grid (Hv, B), block 4 * Dv threads.
+// grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
+// block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
+// tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
+// through distributed shared memory.
 template <typename T, int DK>
-__global__ void __launch_bounds__(1024) gdn_recurrent_kernel(
+__global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     float* __restrict__ state, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
     const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
   constexpr int R = DK / 4;
-  const int h = blockIdx.x, b = blockIdx.y;
-  const int j = threadIdx.x % dv, ty = threadIdx.x / dv;
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tiles = dv / 32;
+  const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
+  const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
   const int c_total = 2 * hk * DK + hv * dv;
   const int kh = h / (hv / hk);
-  __shared__ float sq[DK], sk[DK], red[4][256], scratch[32];
+  __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
+  __shared__ float sq_part;
   const T* row = mixed + (size_t)b * c_total;
   float qq = 0.f, kk = 0.f;
-  if (threadIdx.x < DK) {
-    const float qv = to_float<T>(row[kh * DK + threadIdx.x]);
-    const float kv = to_float<T>(row[hk * DK + kh * DK + threadIdx.x]);
-    sq[threadIdx.x] = qv;
-    sk[threadIdx.x] = kv;
-    qq = qv * qv;
-    kk = kv * kv;
+  for (int i = threadIdx.x; i < DK; i += 128) {
+    const float qv = to_float<T>(row[kh * DK + i]);
+    const float kv = to_float<T>(row[hk * DK + kh * DK + i]);
+    sq[i] = qv;
+    sk[i] = kv;
+    qq += qv * qv;
+    kk += kv * kv;
   }
-  const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f);
+  const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
   const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
   const float v = to_float<T>(row[2 * hk * DK + h * dv + j]);
-  const float g = -expf(a_log[h]) * [](float x) { return x > 20.f ? x : log1pf(expf(x)); }(
-                      to_float<T>(agate[(size_t)b * hv + h]) + dt_bias[h]);
+  const float x = to_float<T>(agate[(size_t)b * hv + h]) + dt_bias[h];
+  const float g = -expf(a_log[h]) * (x > 20.f ? x : log1pf(expf(x)));
   const float beta = round_to<T>(1.f / (1.f + expf(-to_float<T>(bgate[(size_t)b * hv + h]))));
   const float decay = expf(g);
-  const float qs = rsqrtf((float)DK);
 
-  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;  // column j, rows ty*R ...
+  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
   float s[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
   float part = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
-    s[i] = st[(size_t)i * dv] * decay;
+    s[i] *= decay;
     part += s[i] * (sk[ty * R + i] * k_scale);
   }
-  red[ty][j] = part;
+  red[ty][jl] = part;
   __syncthreads();
-  const float kv_mem = red[0][j] + red[1][j] + red[2][j] + red[3][j];
-  const float delta = (v - kv_mem) * beta;
+  const float delta = (v - (red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl])) * beta;
   __syncthreads();
   part = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     s[i] += sk[ty * R + i] * k_scale * delta;
     st[(size_t)i * dv] = s[i];
-    part += s[i] * (sq[ty * R + i] * q_scale * qs);
+    part += s[i] * (sq[ty * R + i] * q_scale);
   }
-  red[ty][j] = part;
+  red[ty][jl] = part;
   __syncthreads();
-  const float o = round_to<T>(red[0][j] + red[1][j] + red[2][j] + red[3][j]);
-  const float var = block_sum(ty == 0 ? o * o : 0.f, scratch) / dv;
+  const float o = round_to<T>(red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl]);
   if (ty == 0) {
-    const float n = round_to<T>(o * rsqrtf(var + eps));
+    const float w = warp_sum(o * o);
+    if (jl == 0) sq_part = w;
+  }
+  cluster.sync();
+  float total = 0.f;
+  for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, r);
+  cluster.sync();  // peers' shared memory stays alive until every block has read it
+  if (ty == 0) {
+    const float n = round_to<T>(o * rsqrtf(total / dv + eps));
     const float t = round_to<T>(to_float<T>(norm_w[j]) * n);
     const float zz = to_float<T>(z[((size_t)b * hv + h) * dv + j]);
     out[((size_t)b * hv + h) * dv + j] = from_float<T>(t * (zz / (1.f + expf(-zz))));
@@ -115,7 +131,8 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   TORCH_CHECK(recurrent_state.sizes() == at::IntArrayRef({bsz, hv, dk, dv}), op, ": recurrent_state ",
               recurrent_state.sizes(), " != [B, Hv, Dk, Dv]");
   TORCH_CHECK(dk == 64 || dk == 128 || dk == 256, op, ": head_k_dim must be 64, 128 or 256");
-  TORCH_CHECK(dv % 32 == 0 && dv <= 256 && hv % hk == 0, op, ": head_v_dim must be a multiple of 32 up to 256");
+  TORCH_CHECK(dv % 32 == 0 && dv <= 256 && hv % hk == 0, op,
+              ": head_v_dim must be a multiple of 32 up to 256 (one cluster of Dv/32 <= 8 blocks per head)");
   TORCH_CHECK(a_log.is_cuda() && dt_bias.is_cuda(), op, ": A_log and dt_bias must be CUDA tensors");
   const auto a_log_f = a_log.to(at::kFloat).contiguous(), dt_bias_f = dt_bias.to(at::kFloat).contiguous();
   auto mixed = at::empty_like(qkv);
@@ -132,13 +149,23 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
-      gdn_recurrent_kernel<T, DK><<<dim3(hv, bsz), 4 * dv, 0, stream>>>(
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(hv * (dv / 32), bsz);
+      cfg.blockDim = dim3(128);
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeClusterDimension;
+      attr[0].val.clusterDim.x = dv / 32;
+      attr[0].val.clusterDim.y = 1;
+      attr[0].val.clusterDim.z = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = 1;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gdn_recurrent_kernel<T, DK>,
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()),
           recurrent_state.data_ptr<float>(), a_log_f.data_ptr<float>(), dt_bias_f.data_ptr<float>(),
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
-          reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+          reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps));
     };
     if (dk == 64) launch(std::integral_constant<int, 64>{});
     else if (dk == 128) launch(std::integral_constant<int, 128>{});

@@ -1,14 +1,20 @@
-// Decode GEMV family: y_i = x @ W_i^T for up to four ORIGINAL weight matrices sharing one input, reading
-// every weight element exactly once for all (up to MAXM) rows of x. One warp owns one output column
-// (one weight row, or the gate/up row pair for the SiLU-gated front) and streams it with 16-byte loads,
-// UNROLL loads in flight per lane; x rows come from L1/L2.
+// Decode GEMV family on tensor cores: y_i = x @ W_i^T for up to four ORIGINAL weight matrices sharing one
+// input, every weight element read exactly once for all rows of x (up to 64).
+//
+// A block owns a tile of 16 output columns (16 rows of one weight, or of the gate AND up weights for the
+// SiLU-gated front) and its 8 warps split K. Per 32-wide k block a lane streams 16 bytes of weight row g and
+// g+8 (g = lane / 4) and 16 bytes of x row g of each group of 8 batch rows, and issues two
+// mma.m16n8k16 per batch group. The 8 consecutive k of a lane map to fragment slots {2t, 2t+1, 2t+8, 2t+9}
+// of two k-steps; A and B use the same permutation, so the dot products are unchanged. Partial tiles of the
+// 8 warps are summed in shared memory in a fixed order (deterministic), then the epilogue (bias, SiLU*up)
+// writes [M, N].
 #include "common.cuh"
 
 namespace segki {
 namespace {
 
-constexpr int kWarps = 8;     // warps per block
-constexpr int kUnroll = 4;    // 16-byte weight loads in flight per lane and weight row
+constexpr int kWarps = 8;   // K splits per tile
+constexpr int kUnroll = 4;  // k blocks (32 wide) whose loads are issued together
 constexpr int kMaxW = 4;
 
 enum class Epilogue { Plain, SiluMul };
@@ -17,94 +23,143 @@ template <typename T>
 struct GemvArgs {
   const T* x;            // [M, K]
   int m, k;
-  int nw;                // number of weights
+  int nw;
   const T* w[kMaxW];     // [N_i, K]
   const T* bias[kMaxW];  // [N_i] or nullptr
   T* out[kMaxW];         // [M, N_i]
   int n[kMaxW];
-  int start[kMaxW + 1];  // cumulative item offsets; SiluMul: one item per output column
+  int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
 };
 
-template <typename T, int MAXM>
-__device__ __forceinline__ void dot_rows(const GemvArgs<T>& a, const T* wrow, float acc[MAXM]) {
-  const int lane = threadIdx.x & 31;
-  const int k = a.k;
-  for (int k0 = lane * 8; k0 < k; k0 += 32 * 8 * kUnroll) {
-    uint4 wv[kUnroll];
+template <typename T>
+__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// acc[NB][4]: C fragments (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j).
+template <typename T, int NB>
+__device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left, const T* __restrict__ x, int m,
+                                         int k, int kb0, int kb1, float acc[NB][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const T* w_lo = w + (size_t)g * k;
+  const T* w_hi = w + (size_t)(g + 8) * k;
+  const bool lo_ok = g < rows_left, hi_ok = g + 8 < rows_left;
+  for (int kb = kb0; kb < kb1; kb += kUnroll) {
+    uint4 wl[kUnroll], wh[kUnroll], xv[kUnroll][NB];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int kk = k0 + u * 256;
-      wv[u] = kk < k ? ld_stream(wrow + kk) : make_uint4(0, 0, 0, 0);
+      const int kk = (kb + u) * 32 + t * 8;
+      const bool in = kb + u < kb1 && kk < k;
+      wl[u] = in && lo_ok ? ld_stream(w_lo + kk) : make_uint4(0, 0, 0, 0);
+      wh[u] = in && hi_ok ? ld_stream(w_hi + kk) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int j = 0; j < NB; ++j)
+        xv[u][j] = in && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int kk = k0 + u * 256;
-      if (kk >= k) break;
-      float wf[8];
-      unpack8<T>(wv[u], wf);
 #pragma unroll
-      for (int r = 0; r < MAXM; ++r) {
-        if (r < a.m) {
-          float xf[8];
-          unpack8<T>(ld_cached(a.x + (size_t)r * k + kk), xf);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[r] = fmaf(wf[i], xf[i], acc[r]);
-        }
+      for (int j = 0; j < NB; ++j) {
+        mma16816<T>(acc[j], wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv[u][j].x, xv[u][j].y);
+        mma16816<T>(acc[j], wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv[u][j].z, xv[u][j].w);
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < MAXM; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-template <typename T, int MAXM, Epilogue EPI>
-__global__ void __launch_bounds__(kWarps * 32) gemv_kernel(const GemvArgs<T> a) {
-  const int lane = threadIdx.x & 31;
-  const int total = a.start[a.nw];
-  for (int item = blockIdx.x * kWarps + (threadIdx.x >> 5); item < total; item += gridDim.x * kWarps) {
-    if constexpr (EPI == Epilogue::SiluMul) {
-      float g[MAXM] = {}, u[MAXM] = {};
-      dot_rows<T, MAXM>(a, a.w[0] + (size_t)item * a.k, g);
-      dot_rows<T, MAXM>(a, a.w[1] + (size_t)item * a.k, u);
+// Sum the C fragments of all warps into warp 0's registers, in warp order.
+template <int NB>
+__device__ __forceinline__ void reduce_warps(float acc[NB][4], float* red /* [32 * NB * 4] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int w = 0; w < kWarps; ++w) {
+    if (warp == w) {
 #pragma unroll
-      for (int r = 0; r < MAXM; ++r)
-        if (r < a.m && lane == r % 32) {
-          const float s = g[r] / (1.f + expf(-g[r]));
-          a.out[0][(size_t)r * a.n[0] + item] = from_float<T>(s * u[r]);
+      for (int j = 0; j < NB; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float* r = red + (lane * NB + j) * 4 + i;
+          *r = w == 0 ? acc[j][i] : *r + acc[j][i];
         }
-    } else {
-      int wi = 0;
-#pragma unroll
-      for (int j = 1; j < kMaxW; ++j) wi += (j < a.nw && item >= a.start[j]) ? 1 : 0;
-      const int row = item - a.start[wi];
-      float acc[MAXM] = {};
-      dot_rows<T, MAXM>(a, a.w[wi] + (size_t)row * a.k, acc);
-      const float b = a.bias[wi] ? to_float<T>(a.bias[wi][row]) : 0.f;
-#pragma unroll
-      for (int r = 0; r < MAXM; ++r)
-        if (r < a.m && lane == r % 32) a.out[wi][(size_t)r * a.n[wi] + row] = from_float<T>(acc[r] + b);
     }
+    __syncthreads();
+  }
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = red[(lane * NB + j) * 4 + i];
   }
 }
 
+template <typename T, int NB, Epilogue EPI>
+__global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const GemvArgs<T> a) {
+  __shared__ float red[(EPI == Epilogue::SiluMul ? 2 : 1)][32 * NB * 4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int tile = blockIdx.x;
+  int wi = 0;
+  if constexpr (EPI == Epilogue::Plain) {
+#pragma unroll
+    for (int j = 1; j < kMaxW; ++j) wi += (j < a.nw && tile >= a.tile_start[j]) ? 1 : 0;
+  }
+  const int row0 = (tile - a.tile_start[wi]) * 16;
+  const int rows_left = a.n[wi] - row0;
+  const int kblocks = (a.k + 31) / 32, per_warp = (kblocks + kWarps - 1) / kWarps;
+  const int kb0 = min(kblocks, warp * per_warp), kb1 = min(kblocks, kb0 + per_warp);
+
+  float acc[NB][4] = {};
+  tile_dot<T, NB>(a.w[wi] + (size_t)row0 * a.k, rows_left, a.x, a.m, a.k, kb0, kb1, acc);
+  reduce_warps<NB>(acc, red[0]);
+  float up[NB][4] = {};
+  if constexpr (EPI == Epilogue::SiluMul) {
+    tile_dot<T, NB>(a.w[1] + (size_t)row0 * a.k, rows_left, a.x, a.m, a.k, kb0, kb1, up);
+    reduce_warps<NB>(up, red[1]);
+  }
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < NB; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + g + (i >= 2 ? 8 : 0), col = j * 8 + 2 * t + (i & 1);
+      if (row >= a.n[wi] || col >= a.m) continue;
+      float v = acc[j][i];
+      if constexpr (EPI == Epilogue::SiluMul) {
+        v = v / (1.f + expf(-v)) * up[j][i];
+      } else if (a.bias[wi]) {
+        v += to_float<T>(a.bias[wi][row]);
+      }
+      a.out[wi][(size_t)col * a.n[wi] + row] = from_float<T>(v);
+    }
+}
+
+constexpr int kMaxRowsPerLaunch = 64;
+
 template <typename T, Epilogue EPI>
-void launch_rows(const GemvArgs<T>& a) {
-  const int items = a.start[a.nw];
-  const int blocks = (items + kWarps - 1) / kWarps;
+void launch_tiles(const GemvArgs<T>& a, int tiles) {
   auto stream = at::cuda::getCurrentCUDAStream();
-#define SEGKI_GEMV_CASE(M)                                                          \
-  if (a.m <= M) {                                                                  \
-    gemv_kernel<T, M, EPI><<<blocks, kWarps * 32, 0, stream>>>(a);                 \
+#define SEGKI_GEMV_CASE(NB)                                                         \
+  if (a.m <= NB * 8) {                                                             \
+    gemv_mma_kernel<T, NB, EPI><<<tiles, kWarps * 32, 0, stream>>>(a);             \
     C10_CUDA_KERNEL_LAUNCH_CHECK();                                                \
     return;                                                                        \
   }
-  SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8) SEGKI_GEMV_CASE(16)
+  SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)
 #undef SEGKI_GEMV_CASE
 }
 
-constexpr int kMaxRowsPerLaunch = 16;
-
-// Validates, allocates outputs [..., N_i], and runs the GEMV over row chunks of at most 16 rows.
+// Validates, allocates outputs [..., N_i], and runs over row chunks of at most 64 rows.
 std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vector<at::Tensor> ws,
                                  std::vector<c10::optional<at::Tensor>> biases, Epilogue epi) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
@@ -112,15 +167,17 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
   TORCH_CHECK(k % 8 == 0, op, ": the input width ", k, " must be a multiple of 8 (16-byte loads)");
   const int64_t m = x.numel() / k;
   c10::cuda::CUDAGuard guard(x.device());
-  std::vector<at::Tensor> outs;
   const int nout = epi == Epilogue::SiluMul ? 1 : (int)ws.size();
   for (int i = 0; i < (int)ws.size(); ++i) {
     check_cuda_half(ws[i], op, "weight", x.scalar_type());
     TORCH_CHECK(ws[i].dim() == 2 && ws[i].size(1) == k, op, ": weight ", i, " is ", ws[i].sizes(),
                 ", expected [N, ", k, "]");
-    if (i < (int)biases.size() && biases[i].has_value())
+    if (i < (int)biases.size() && biases[i].has_value()) {
       check_cuda_half(*biases[i], op, "bias", x.scalar_type());
+      TORCH_CHECK(biases[i]->numel() == ws[i].size(0), op, ": bias ", i, " does not match its weight");
+    }
   }
+  std::vector<at::Tensor> outs;
   for (int i = 0; i < nout; ++i) {
     auto shape = x.sizes().vec();
     shape.back() = ws[i].size(0);
@@ -134,22 +191,18 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       a.m = (int)std::min<int64_t>(kMaxRowsPerLaunch, m - r0);
       a.k = (int)k;
       a.nw = (int)ws.size();
-      a.start[0] = 0;
       for (int i = 0; i < a.nw; ++i) {
         a.w[i] = reinterpret_cast<const T*>(ws[i].data_ptr());
         a.bias[i] = (i < (int)biases.size() && biases[i].has_value())
                         ? reinterpret_cast<const T*>(biases[i]->data_ptr()) : nullptr;
         a.n[i] = (int)ws[i].size(0);
         a.out[i] = i < nout ? reinterpret_cast<T*>(outs[i].data_ptr()) + r0 * a.n[i] : nullptr;
-        a.start[i + 1] = a.start[i] + a.n[i];
+        a.tile_start[i + 1] = a.tile_start[i] + (a.n[i] + 15) / 16;
       }
       if (epi == Epilogue::SiluMul) {
-        a.nw = 2;
-        a.start[1] = a.n[0];
-        a.start[2] = a.n[0];
-        launch_rows<T, Epilogue::SiluMul>(a);
+        launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1]);
       } else {
-        launch_rows<T, Epilogue::Plain>(a);
+        launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw]);
       }
     }
   });

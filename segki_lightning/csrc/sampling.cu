@@ -1,7 +1,8 @@
-// Token selection over a large vocabulary, one block per row, inside a CUDA graph (no host sync): greedy
+// Token selection over a large vocabulary inside a CUDA graph (no host sync): greedy
 // argmax, or Gumbel-max sampling of softmax(logits / T) restricted by top-k then top-p. The random numbers
 // are the counter-based hash of ops/reference/sampling.py, so native and reference draw the same tokens.
-// Thresholds are exact bisections over the order-preserving 32-bit keys of the scaled logits.
+// Unfiltered rows split the vocabulary over many blocks and merge; top-k/top-p rows take one block each,
+// with thresholds found by exact bisections over the order-preserving 32-bit keys of the scaled logits.
 #include "common.cuh"
 
 namespace segki {
@@ -44,8 +45,115 @@ __device__ Best block_argmax(Best x, Best* scratch /* [32] */) {
   return x;
 }
 
+
+__device__ __forceinline__ uint32_t row_hash(const int64_t* seed, const int64_t* offset, int b) {
+  const uint64_t sd = (uint64_t)seed[b];
+  return mix32(mix32((uint32_t)sd) ^ mix32((uint32_t)(sd >> 32)) ^ mix32((uint32_t)(uint64_t)offset[b]) * 3u);
+}
+
+__device__ __forceinline__ float gumbel(uint32_t rowh, int j) {
+  const uint32_t h = mix32(rowh ^ mix32((uint32_t)j + 0x9E3779B9u));
+  const float u = ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
+  return -logf(-logf(u));
+}
+
+constexpr int kSplitThreads = 256;
+
+// grid (splits, B): per vocabulary slice, the max of logits/T with its index, sum exp(logits/T - max), and
+// the Gumbel-perturbed argmax. Partials: [B, splits, 5] floats (indices < 2^24 are exact in fp32).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) sample_kernel(
+__global__ void __launch_bounds__(kSplitThreads) sample_split_kernel(
+    const T* __restrict__ logits, const float* __restrict__ temperature, const int64_t* __restrict__ seed,
+    const int64_t* __restrict__ offset, float* __restrict__ part, int vocab) {
+  __shared__ float scratch[32];
+  __shared__ Best best_scratch[32];
+  const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.y;
+  const int per = ((vocab + splits - 1) / splits + 7) / 8 * 8;
+  const int v0 = min(vocab, split * per), v1 = min(vocab, v0 + per);
+  const T* row = logits + (size_t)b * vocab;
+  const float temp = temperature[b];
+  const bool greedy = temp <= 0.f;
+  const float t_eff = greedy ? 1.f : temp;
+  const uint32_t rowh = row_hash(seed, offset, b);
+  const bool vec = (vocab % 8) == 0;
+  Best top{-INFINITY, INT_MAX}, pick{-INFINITY, INT_MAX};
+  auto visit = [&](float l, int j) {
+    const float s = l / t_eff;
+    top = better(top, Best{s, j});
+    if (!greedy) pick = better(pick, Best{s + gumbel(rowh, j), j});
+  };
+  if (vec) {
+    for (int j = v0 + threadIdx.x * 8; j < v1; j += kSplitThreads * 8) {
+      float f[8];
+      unpack8<T>(ld_cached(row + j), f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) visit(f[i], j + i);
+    }
+  } else {
+    for (int j = v0 + threadIdx.x; j < v1; j += kSplitThreads) visit(to_float<T>(row[j]), j);
+  }
+  top = block_argmax(top, best_scratch);
+  float se = 0.f;
+  if (top.v > -INFINITY) {
+    if (vec) {
+      for (int j = v0 + threadIdx.x * 8; j < v1; j += kSplitThreads * 8) {
+        float f[8];
+        unpack8<T>(ld_cached(row + j), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) se += expf(f[i] / t_eff - top.v);
+      }
+    } else {
+      for (int j = v0 + threadIdx.x; j < v1; j += kSplitThreads) se += expf(to_float<T>(row[j]) / t_eff - top.v);
+    }
+  }
+  se = block_sum(se, scratch);
+  pick = block_argmax(pick, best_scratch);
+  if (threadIdx.x == 0) {
+    float* p = part + ((size_t)b * splits + split) * 5;
+    p[0] = top.v;
+    p[1] = (float)top.i;
+    p[2] = se;
+    p[3] = pick.v;
+    p[4] = (float)pick.i;
+  }
+}
+
+// grid B, one warp: merge the slices; write token and log-prob (filtered rows are redone exactly later).
+template <typename T>
+__global__ void sample_merge_kernel(const T* __restrict__ logits, const float* __restrict__ temperature,
+                                    const float* __restrict__ part, int splits, int vocab,
+                                    int64_t* __restrict__ tokens, float* __restrict__ logprobs) {
+  const int b = blockIdx.x, lane = threadIdx.x;
+  Best top{-INFINITY, INT_MAX}, pick{-INFINITY, INT_MAX};
+  for (int s = lane; s < splits; s += 32) {
+    const float* p = part + ((size_t)b * splits + s) * 5;
+    top = better(top, Best{p[0], (int)p[1]});
+    pick = better(pick, Best{p[3], (int)p[4]});
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    top = better(top, Best{__shfl_xor_sync(0xffffffffu, top.v, o), __shfl_xor_sync(0xffffffffu, top.i, o)});
+    pick = better(pick, Best{__shfl_xor_sync(0xffffffffu, pick.v, o), __shfl_xor_sync(0xffffffffu, pick.i, o)});
+  }
+  float se = 0.f;
+  for (int s = lane; s < splits; s += 32) {
+    const float* p = part + ((size_t)b * splits + s) * 5;
+    if (p[0] > -INFINITY) se += p[2] * expf(p[0] - top.v);
+  }
+  se = warp_sum(se);
+  if (lane == 0) {
+    const float temp = temperature[b];
+    const bool greedy = temp <= 0.f;
+    const int tok = greedy ? top.i : pick.i;
+    tokens[b] = tok;
+    logprobs[b] = to_float<T>(logits[(size_t)b * vocab + tok]) / (greedy ? 1.f : temp) - (top.v + logf(se));
+  }
+}
+
+// The exact top-k / top-p path: one block per row, bisection over keys. Rows without a filter (and greedy
+// rows) were finished by the split kernels and return at once.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) filtered_sample_kernel(
     const T* __restrict__ logits, const float* __restrict__ temperature, const int64_t* __restrict__ top_k,
     const float* __restrict__ top_p, const int64_t* __restrict__ seed, const int64_t* __restrict__ offset,
     int64_t* __restrict__ tokens, float* __restrict__ logprobs, int vocab) {
@@ -55,7 +163,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(
   const T* row = logits + (size_t)b * vocab;
   const float temp = temperature[b];
   const bool greedy = temp <= 0.f;
-  const float t_eff = greedy ? 1.f : temp;
+  if (greedy || !((top_k[b] > 0 && top_k[b] < vocab) || top_p[b] < 1.f)) return;
+  const float t_eff = temp;
   auto scaled = [&](int j) { return to_float<T>(row[j]) / t_eff; };
 
   Best top{-INFINITY, INT_MAX};
@@ -103,17 +212,13 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(
       }
       p_key = ans;
     }
-    const uint64_t sd = (uint64_t)seed[b];
-    const uint32_t rowh = mix32(mix32((uint32_t)sd) ^ mix32((uint32_t)(sd >> 32)) ^
-                                mix32((uint32_t)(uint64_t)offset[b]) * 3u);
+    const uint32_t rowh = row_hash(seed, offset, b);
     Best pick{-INFINITY, INT_MAX};
     for (int j = threadIdx.x; j < vocab; j += kThreads) {
       const float s = scaled(j);
       const uint32_t key = order_key(s);
       if (key < lo_key || (use_p && key <= p_key)) continue;
-      const uint32_t h = mix32(rowh ^ mix32((uint32_t)j + 0x9E3779B9u));
-      const float u = ((float)(h >> 8) + 0.5f) * (1.0f / 16777216.0f);
-      pick = better(pick, Best{s + -logf(-logf(u)), j});
+      pick = better(pick, Best{s + gumbel(rowh, j), j});
     }
     token = block_argmax(pick, best_scratch).i;
   }
@@ -143,8 +248,20 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const
   auto logprobs = at::empty({bsz}, logits.options().dtype(at::kFloat));
   if (bsz == 0) return {tokens, logprobs};
   c10::cuda::CUDAGuard guard(logits.device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int splits = std::max(1, std::min({(2 * sms + bsz - 1) / bsz, 64, (vocab + 2047) / 2048}));
+  auto part = at::empty({bsz, splits, 5}, logits.options().dtype(at::kFloat));
+  auto stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(logits.scalar_type(), op, [&] {
-    sample_kernel<T><<<bsz, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    sample_split_kernel<T><<<dim3(splits, bsz), kSplitThreads, 0, stream>>>(
+        reinterpret_cast<const T*>(logits.data_ptr()), temperature.data_ptr<float>(), seed.data_ptr<int64_t>(),
+        offset.data_ptr<int64_t>(), part.data_ptr<float>(), vocab);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    sample_merge_kernel<T><<<bsz, 32, 0, stream>>>(reinterpret_cast<const T*>(logits.data_ptr()),
+                                                   temperature.data_ptr<float>(), part.data_ptr<float>(), splits,
+                                                   vocab, tokens.data_ptr<int64_t>(), logprobs.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    filtered_sample_kernel<T><<<bsz, kThreads, 0, stream>>>(
         reinterpret_cast<const T*>(logits.data_ptr()), temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(),
         top_p.data_ptr<float>(), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(),
         logprobs.data_ptr<float>(), vocab);

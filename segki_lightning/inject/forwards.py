@@ -108,6 +108,8 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
                 **kwargs: Any) -> Tensor:
     s: GDNSpec = spec(self)
     cache = kwargs.pop("cache_params", cache)
+    if cache is not None and hasattr(cache, "segki_gdn_states") and hidden_states.shape[1] == 1:
+        return _gdn_decode(self, s, hidden_states, *cache.segki_gdn_states(self.layer_idx))
     if cache is not None:  # a transformers cache: its bookkeeping is the model's own code's business
         return s.original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     x = hidden_states
@@ -129,6 +131,17 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
     core = _delta_rule(q, k, v, g, beta)                                                    # [B, T, Hv, Dv]
     core = ops.gated_rms_norm(core, z.view(bsz, t, s.num_v_heads, s.head_v_dim), self.norm.weight, s.norm_eps)
     return ops.linear(core.reshape(bsz, t, -1), self.out_proj.weight)
+
+
+def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> Tensor:
+    """One token per row against a static cache's states (updated in place): the fused decode step."""
+    bsz = x.shape[0]
+    qkv, z, b, a = ops.gdn_in_proj(x[:, 0], self.in_proj_qkv.weight, self.in_proj_z.weight,
+                                   self.in_proj_b.weight, self.in_proj_a.weight)            # [B, C] [B, Hv*Dv] ...
+    core = ops.gdn_decode_step(qkv, z, b, a, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias,
+                               recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps,
+                               s.num_k_heads, s.head_k_dim, s.head_v_dim)                    # [B, Hv*Dv]
+    return ops.linear(core, self.out_proj.weight).view(bsz, 1, -1)
 
 
 # ------------------------------------------------------------------------------------- decoder layer

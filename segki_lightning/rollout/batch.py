@@ -1,0 +1,36 @@
+"""The result of a rollout: prompts, completions, masks and log-probs, rows ordered prompt-major."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutStats:
+    prefill_s: float = 0.0       # wall seconds of all prefills
+    decode_s: float = 0.0        # wall seconds of the decode loop
+    tokens: int = 0              # generated tokens (completion_mask.sum())
+    steps: int = 0               # decode steps run (<= max_new_tokens - 1)
+    path: str = ""               # "graph+native", "eager+reference", ...
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = self.prefill_s + self.decode_s
+        return self.tokens / total if total > 0 else 0.0
+
+
+@dataclass
+class RolloutBatch:
+    """N = len(prompts) * n rows; row r belongs to prompt ``r // n``; P = longest prompt; T = max_new_tokens."""
+
+    prompt_ids: torch.Tensor        # [N, P] int64, left-padded with pad_token_id
+    prompt_mask: torch.Tensor       # [N, P] int64, 1 on prompt tokens
+    completion_ids: torch.Tensor    # [N, T] int64, pad after a row's EOS
+    completion_mask: torch.Tensor   # [N, T] int64, 1 for generated tokens up to and including EOS
+    logprobs: torch.Tensor          # [N, T] fp32, log_softmax(logits / T)[token] (T = 1 for greedy); 0 on pad
+    prompt_index: torch.Tensor      # [N] int64, r // n
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]

@@ -1,0 +1,41 @@
+"""What to generate: sampling settings, checked up front with messages that say what to change."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling settings of one ``RolloutEngine.generate`` call.
+
+    Attributes:
+        max_new_tokens: completion length T (rows that hit EOS earlier are padded).
+        temperature: ``0.0`` is greedy; otherwise logits are divided by it.
+        top_k: keep the k most likely tokens; ``0`` = off.
+        top_p: nucleus mass in ``(0, 1]``; ``1.0`` = off.
+        n: samples per prompt (GRPO's group size); the prompt is prefilled once and its state replicated.
+        seed: makes sampling reproducible (row r draws from the stream ``(seed, r)``).
+    """
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 means off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 means off), got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,299 @@
+"""RolloutEngine: batched generation from the SAME model that trains.
+
+Prefill runs each prompt alone through the model's own forward (exactly what that prompt alone gives;
+flash-linear-attention's chunked kernels for Gated DeltaNet when installed) and copies the state into a
+static hybrid cache, replicated for the n samples. Decode is one step function -- model forward with the
+injected segments, sampling, EOS bookkeeping, length/position updates -- captured once per batch-size
+bucket as a CUDA graph and replayed; graphs survive optimizer steps because parameters are updated in
+place (a change of parameter storage is detected and triggers a recapture).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..inject import apply_segment_ki
+from .attention import NAME as SEGKI_ATTENTION, attention_implementation, register, valid_mask
+from .batch import RolloutBatch, RolloutStats
+from .cache import StaticHybridCache, layer_layouts
+from .config import SamplingConfig
+
+log = logging.getLogger("segki_lightning")
+CHECK_EVERY = 16  # decode steps between the (only) device-to-host reads of "all rows finished?"
+
+
+class _DecodeState:
+    """Static per-row decode buffers for ``max_batch`` rows; ``rows(n)`` views the first n."""
+
+    def __init__(self, max_batch: int, max_seq: int, device: torch.device, _views: dict | None = None):
+        if _views is not None:
+            self.__dict__.update(_views)
+            return
+        z = dict(device=device)
+        self.token = torch.zeros(max_batch, dtype=torch.long, **z)           # [B] last sampled token
+        self.finished = torch.zeros(max_batch, dtype=torch.bool, **z)        # [B]
+        self.temperature = torch.zeros(max_batch, dtype=torch.float32, **z)  # [B]
+        self.top_k = torch.zeros(max_batch, dtype=torch.long, **z)           # [B]
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, **z)         # [B]
+        self.seed = torch.zeros(max_batch, dtype=torch.long, **z)            # [B]
+        self.offset = torch.zeros(max_batch, dtype=torch.long, **z)          # [B] = completion index
+        self.out_tokens = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)       # [B, S]
+        self.out_logprobs = torch.zeros(max_batch, max_seq, dtype=torch.float32, **z)  # [B, S]
+        self.out_mask = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)         # [B, S]
+
+    def rows(self, n: int) -> "_DecodeState":
+        return _DecodeState(0, 0, None, _views={k: v[:n] for k, v in self.__dict__.items()})
+
+
+class RolloutEngine:
+    """Generate completions for batches of variable-length prompts with CUDA-graph decode.
+
+    Args:
+        model: a Hugging Face causal LM (the one being trained; it is injected in place when
+            ``use_segki``).
+        max_batch_size: most rows (prompts x samples) of one ``generate`` call; graphs are captured for
+            power-of-two buckets up to it.
+        max_seq_len: most tokens of prompt + completion; the cache is allocated for it once.
+        use_segki: inject fused segments (and decode attention over valid prefixes only).
+        graph_capture: capture the decode step in a CUDA graph (CUDA only; eager otherwise).
+        eos_token_id, pad_token_id: default to the model's generation config.
+
+    Example:
+        >>> engine = RolloutEngine(model, max_batch_size=64, max_seq_len=2048)
+        >>> batch = engine.generate([[1, 2, 3], [4, 5]], SamplingConfig(max_new_tokens=32, n=8, seed=0))
+        >>> batch.completion_ids.shape   # [16, 32]
+    """
+
+    def __init__(self, model: nn.Module, max_batch_size: int = 64, max_seq_len: int = 2048,
+                 use_segki: bool = True, graph_capture: bool = True,
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None):
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        self.model, self.max_batch_size, self.max_seq_len = model, max_batch_size, max_seq_len
+        self.use_segki = use_segki
+        self.report = apply_segment_ki(model) if use_segki else None
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.graph_capture = graph_capture and self.device.type == "cuda"
+        self.vocab_size = model.get_output_embeddings().out_features
+        self.eos, self.pad = self._special_tokens(eos_token_id, pad_token_id)
+        self.layouts = layer_layouts(model)
+        if use_segki:
+            register()
+        native = ops.backend("gated_mlp_front", self.dtype, self.device) == "native"
+        self.path = f"{'graph' if self.graph_capture else 'eager'}+{'native' if native else 'reference'}"
+        if graph_capture and not self.graph_capture:
+            log.warning("segki: CUDA-graph capture needs a CUDA model; decoding eagerly (%s)", self.path)
+        log.info("segki: rollout path %s", self.path)
+        self.cache: StaticHybridCache | None = None
+        self.state: _DecodeState | None = None
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
+        self.captures = 0          # graphs captured so far (tests and logs read it)
+        self.capture_s = 0.0       # seconds spent warming up and capturing
+
+    # ------------------------------------------------------------------------------------------ public
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig) -> RolloutBatch:
+        """Generate ``sampling.n`` completions per prompt; see :class:`RolloutBatch` for the layout."""
+        prompts = self._check_prompts(prompts, sampling)
+        n_rows = len(prompts) * sampling.n
+        bucket = self._bucket(n_rows)
+        self._allocate()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            if self.graph_capture:
+                self._ensure_graph(bucket)
+            stats = RolloutStats(path=self.path)
+            state, cache = self._reset(bucket, n_rows, sampling)
+            t0 = self._sync_time()
+            self._prefill(prompts, sampling, state.rows(n_rows), cache)
+            t1 = self._sync_time()
+            steps = 0
+            for step in range(1, sampling.max_new_tokens):
+                if self.graph_capture:
+                    self._graphs[bucket][0].replay()
+                else:
+                    self._step(bucket)
+                steps += 1
+                if step % CHECK_EVERY == 0 and bool(state.finished[:n_rows].all()):
+                    break
+            t2 = self._sync_time()
+        finally:
+            self.model.train(was_training)
+        stats.prefill_s, stats.decode_s, stats.steps = t1 - t0, t2 - t1, steps
+        return self._collect(prompts, sampling, n_rows, stats)
+
+    def free(self) -> None:
+        """Release graphs, cache and decode buffers (they are rebuilt on the next ``generate``)."""
+        self._graphs.clear()
+        self.cache = self.state = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------------------------ checks
+    def _special_tokens(self, eos, pad) -> tuple[list[int], int]:
+        gen = getattr(self.model, "generation_config", None)
+        cfg = getattr(self.model, "config", None)
+        if eos is None:
+            eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if eos is None and cfg is not None:
+            eos = getattr(cfg, "eos_token_id", None)
+        eos_list = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        if pad is None:
+            pad = next((getattr(o, "pad_token_id", None) for o in (gen, cfg) if o is not None
+                        and getattr(o, "pad_token_id", None) is not None), None)
+        if pad is None:
+            pad = eos_list[0] if eos_list else 0
+        return eos_list, int(pad)
+
+    def _check_prompts(self, prompts, sampling: SamplingConfig) -> list[list[int]]:
+        if not isinstance(sampling, SamplingConfig):
+            raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: pass at least one list of token ids")
+        out = []
+        for i, p in enumerate(prompts):
+            ids = p.tolist() if isinstance(p, Tensor) else list(p)
+            if not ids:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.vocab_size})")
+            if len(ids) + sampling.max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; with max_new_tokens={sampling.max_new_tokens} "
+                                 f"that exceeds max_seq_len={self.max_seq_len}: shorten the prompt, lower "
+                                 "max_new_tokens or build the engine with a larger max_seq_len")
+            out.append(ids)
+        rows = len(out) * sampling.n
+        if rows > self.max_batch_size:
+            raise ValueError(f"{len(out)} prompts x n={sampling.n} = {rows} rows exceed max_batch_size="
+                             f"{self.max_batch_size}: pass fewer prompts per call or build the engine with a "
+                             "larger max_batch_size")
+        return out
+
+    def _bucket(self, rows: int) -> int:
+        b = 1
+        while b < rows:
+            b *= 2
+        return min(b, self.max_batch_size)
+
+    # ------------------------------------------------------------------------------------------ buffers
+    def _allocate(self) -> None:
+        if self.cache is None:
+            self.cache = StaticHybridCache(self.layouts, self.max_batch_size, self.max_seq_len, self.dtype,
+                                           self.device)
+            self.state = _DecodeState(self.max_batch_size, self.max_seq_len, self.device)
+            self._eos = torch.tensor(self.eos or [-1], dtype=torch.long, device=self.device)
+            self._graphs.clear()
+
+    def _reset(self, bucket: int, n_rows: int, sampling: SamplingConfig):
+        st, cache = self.state.rows(bucket), self.cache.rows(bucket)
+        t = sampling.max_new_tokens
+        st.out_tokens[:, :t] = self.pad
+        st.out_logprobs[:, :t] = 0.0
+        st.out_mask[:, :t] = 0
+        st.finished.fill_(True)               # rows beyond n_rows are idle
+        st.finished[:n_rows] = False
+        st.token.fill_(self.pad)
+        st.offset.zero_()
+        st.temperature.fill_(sampling.temperature)
+        st.top_k.fill_(sampling.top_k)
+        st.top_p.fill_(sampling.top_p)
+        rows = torch.arange(bucket, device=self.device, dtype=torch.long)
+        st.seed.copy_(rows + (sampling.seed & 0x7FFFFFFF) * 1_000_003)
+        cache.lengths.zero_()
+        return st, cache
+
+    # ------------------------------------------------------------------------------------------ prefill
+    def _prefill(self, prompts: list[list[int]], sampling: SamplingConfig, st: _DecodeState,
+                 cache: StaticHybridCache) -> None:
+        n = sampling.n
+        for i, ids in enumerate(prompts):
+            x = torch.tensor([ids], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=x, use_cache=True, logits_to_keep=1)
+            rows = slice(i * n, (i + 1) * n)
+            cache.load_prompt(out.cache, rows, len(ids))
+            logits = out.logits[:, -1].expand(n, -1)                                  # [n, V]
+            tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature[rows], st.top_k[rows],
+                                        st.top_p[rows], st.seed[rows], st.offset[rows])
+            self._record(st.rows(len(prompts) * n), tok, lp, rows)
+        st.offset.add_(1)
+
+    # ------------------------------------------------------------------------------------------ decode
+    def _record(self, st: _DecodeState, tok: Tensor, lp: Tensor, rows=slice(None)) -> None:
+        """Write one sampled token per row at its completion index; pad and mask after EOS."""
+        done = st.finished[rows]
+        tok = torch.where(done, torch.full_like(tok, self.pad), tok)
+        col = st.offset[rows][:, None]
+        st.out_tokens[rows].scatter_(1, col, tok[:, None])
+        st.out_logprobs[rows].scatter_(1, col, lp.float().masked_fill(done, 0.0)[:, None])
+        st.out_mask[rows].scatter_(1, col, (~done).long()[:, None])
+        st.finished[rows] = done | torch.isin(tok, self._eos)
+        st.token[rows] = tok
+
+    def _step(self, bucket: int) -> None:
+        """One decode step for rows [0, bucket): the function that is captured."""
+        st, cache = self.state.rows(bucket), self.cache.rows(bucket)
+        cache.attn_lengths.copy_(cache.lengths + 1)                                    # [B] incl. this token
+        if self.use_segki:
+            kw = dict(segki_lengths=cache.attn_lengths)
+        else:
+            kw = dict(attention_mask=valid_mask(cache.lengths + 1, self.max_seq_len, self.dtype))
+        with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None):
+            logits = self.model(input_ids=st.token[:, None], position_ids=cache.lengths[:, None], cache=cache,
+                                use_cache=True, **kw).logits[:, -1]                    # [B, V]
+        tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature, st.top_k, st.top_p, st.seed, st.offset)
+        self._record(st, tok, lp)
+        cache.lengths.add_(1)
+        st.offset.add_(1)
+
+    def _ensure_graph(self, bucket: int) -> None:
+        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        held = self._graphs.get(bucket)
+        if held is not None and held[1] == ptrs:
+            return
+        t0 = time.perf_counter()
+        st, cache = self.state.rows(bucket), self.cache.rows(bucket)
+        cache.lengths.zero_()
+        st.finished.fill_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up: lazy inits, kernel caches, allocator
+                self._step(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step(bucket)
+        torch.cuda.synchronize()
+        self._graphs[bucket] = (graph, ptrs)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        log.info("segki: captured decode graph for batch bucket %d in %.2f s", bucket, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------------------------ output
+    def _collect(self, prompts, sampling: SamplingConfig, n_rows: int, stats: RolloutStats) -> RolloutBatch:
+        t, n = sampling.max_new_tokens, sampling.n
+        st = self.state.rows(n_rows)
+        width = max(len(p) for p in prompts)
+        prompt_ids = torch.full((n_rows, width), self.pad, dtype=torch.long)
+        prompt_mask = torch.zeros((n_rows, width), dtype=torch.long)
+        for i, ids in enumerate(prompts):
+            prompt_ids[i * n:(i + 1) * n, width - len(ids):] = torch.tensor(ids)
+            prompt_mask[i * n:(i + 1) * n, width - len(ids):] = 1
+        mask = st.out_mask[:, :t].clone()
+        stats.tokens = int(mask.sum())
+        return RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
+                            completion_ids=st.out_tokens[:, :t].clone(), completion_mask=mask,
+                            logprobs=st.out_logprobs[:, :t].clone(),
+                            prompt_index=torch.arange(n_rows, device=self.device) // n, stats=stats)
+
+    def _sync_time(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
