@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: build the extension, run the GPU tests, run the kernel benchmark.
+# One GPU session: build the extension, run the GPU tests, the kernel and the decode benchmarks.
 #   bash benchmarks/run_gpu.sh --out DIR [pytest -k expression]
 set -uo pipefail
 [[ ${1:-} == --out ]] || { echo "usage: $0 --out DIR [-k EXPR]"; exit 2; }
@@ -10,4 +10,5 @@ start=$(date +%s)
 python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 error "$out/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
-python3 benchmarks/kernels.py --out "$out" 2>&1 | tee "$out/kernels.log" | tail -45
+python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110
+python3 benchmarks/decode.py --out "$out" --hf-compile-batches > "$out/decode.log" 2>&1; tail -32 "$out/decode.log" | cut -c1-160
