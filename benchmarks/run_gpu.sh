@@ -11,4 +11,4 @@ python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 err
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m pytest -q -x tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
 python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110
-python3 benchmarks/decode.py --out "$out" --hf-compile-batches > "$out/decode.log" 2>&1; tail -32 "$out/decode.log" | cut -c1-160
+python3 benchmarks/decode.py --out "$out" --hf-eager-batches --hf-compile-batches > "$out/decode.log" 2>&1; tail -32 "$out/decode.log" | cut -c1-160
