@@ -57,13 +57,14 @@ def ours(model, batch: int, greedy: bool, use_segki: bool) -> dict:
     engine = RolloutEngine(model, max_batch_size=max(batch, 1), max_seq_len=PROMPT + NEW + 8,
                            use_segki=use_segki, graph_capture=True, eos_token_id=[])
     g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(10, 1000, (PROMPT,), generator=g).tolist() for _ in range(batch)]
-    cfg = SamplingConfig(max_new_tokens=NEW, temperature=0.0 if greedy else 1.0, seed=0)
+    # one 128-token prompt sampled `batch` times: one prefill, `batch` independent decode rows
+    prompts = [torch.randint(10, 1000, (PROMPT,), generator=g).tolist()]
+    cfg = SamplingConfig(max_new_tokens=NEW, temperature=0.0 if greedy else 1.0, n=batch, seed=0)
     t0 = time.perf_counter()
-    engine.generate(prompts, SamplingConfig(max_new_tokens=8, temperature=cfg.temperature))  # capture + warm-up
+    engine.generate(prompts, SamplingConfig(max_new_tokens=8, temperature=cfg.temperature, n=batch))  # capture
     warm = time.perf_counter() - t0
-    runs = [engine.generate(prompts, cfg).stats for _ in range(3)]
-    s = sorted(runs, key=lambda r: r.decode_s)[1]
+    runs = [engine.generate(prompts, cfg).stats for _ in range(2)]
+    s = min(runs, key=lambda r: r.decode_s)
     out = dict(decode_tok_s=round(batch * s.steps / s.decode_s, 1), step_ms=round(s.decode_s / s.steps * 1e3, 3),
                prefill_s=round(s.prefill_s, 3), capture_s=round(engine.capture_s, 2), warmup_s=round(warm, 2),
                path=s.path)
@@ -71,14 +72,14 @@ def ours(model, batch: int, greedy: bool, use_segki: bool) -> dict:
     return out
 
 
-def hf(model, batch: int, compile_static: bool) -> dict:
+def hf(model, batch: int, compile_static: bool, new: int = NEW) -> dict:
     ids = torch.randint(10, 1000, (batch, PROMPT), device="cuda")
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
     if compile_static:
         kw["cache_implementation"] = "static"
     t0 = time.perf_counter()
     model.generate(ids, max_new_tokens=16, min_new_tokens=16, **kw)
-    model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, **kw)
+    model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
 
@@ -89,9 +90,9 @@ def hf(model, batch: int, compile_static: bool) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
-    full, one = run(NEW), run(1)
-    return dict(decode_tok_s=round(batch * (NEW - 1) / (full - one), 1),
-                step_ms=round((full - one) / (NEW - 1) * 1e3, 3), warmup_s=round(warm, 1))
+    full, one = run(new), run(1)
+    return dict(decode_tok_s=round(batch * (new - 1) / (full - one), 1),
+                step_ms=round((full - one) / (new - 1) * 1e3, 3), warmup_s=round(warm, 1), new_tokens=new)
 
 
 def plot(rows: list[dict], out: Path) -> None:
@@ -121,6 +122,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["0.8b", "4b"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
     ap.add_argument("--hf-eager-batches", nargs="*", type=int, default=[1, 16])
+    ap.add_argument("--hf-eager-tokens", type=int, default=128, help="new tokens for the (slow) eager baseline")
     ap.add_argument("--hf-compile-batches", nargs="*", type=int, default=[1])
     ap.add_argument("--skip-ours", action="store_true", help="only the transformers baselines and the roofline")
     args = ap.parse_args()
@@ -154,7 +156,8 @@ def main() -> None:
                         pct_roofline=round(100 * r.get("decode_tok_s", 0) / batch / roof, 1))
         remove_segment_ki(model)
         for batch in args.hf_eager_batches:
-            add(model=name, system="HF eager generate", batch=batch, mode="greedy", **hf(model, batch, False))
+            add(model=name, system="HF eager generate", batch=batch, mode="greedy",
+                **hf(model, batch, False, args.hf_eager_tokens))
         for batch in args.hf_compile_batches:
             try:
                 r = hf(model, batch, True)

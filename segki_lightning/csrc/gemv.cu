@@ -1,5 +1,6 @@
-// Decode GEMV family on tensor cores: y_i = x @ W_i^T for up to four ORIGINAL weight matrices sharing one
-// input, every weight element read exactly once for all rows of x (up to 64).
+// Decode GEMV family: y_i = x @ W_i^T for up to four ORIGINAL weight matrices sharing one input, every
+// weight element read exactly once for all rows of x (up to 64 per launch). Up to 4 rows run on CUDA
+// cores (below); more rows run on tensor cores:
 //
 // A block owns a tile of 16 output columns (16 rows of one weight, or of the gate AND up weights for the
 // SiLU-gated front) and its 8 warps split K. Per 32-wide k block a lane streams 16 bytes of weight row g and
@@ -144,7 +145,110 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const GemvArgs<T>
     }
 }
 
+// ---- small batches (m <= 4): CUDA cores, one warp streams a contiguous 512-byte stretch of one weight row
+// per load instruction (the best DRAM locality); `splits` warps share a row's K when N alone cannot fill
+// the GPU, and their partial sums meet in shared memory.
+constexpr int kSmallUnroll = 4;
+
+struct RowStart {  // cumulative output rows per weight
+  int v[kMaxW + 1];
+};
+
+template <typename T, int MAXM>
+__device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const T* __restrict__ x, int m, int k,
+                                        int k0, int k1, float acc[MAXM]) {
+  const int lane = threadIdx.x & 31;
+  for (int kk0 = k0 + lane * 8; kk0 < k1; kk0 += 256 * kSmallUnroll) {
+    uint4 wv[kSmallUnroll];
+#pragma unroll
+    for (int u = 0; u < kSmallUnroll; ++u) {
+      const int kk = kk0 + u * 256;
+      wv[u] = kk < k1 ? ld_stream(wrow + kk) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kSmallUnroll; ++u) {
+      const int kk = kk0 + u * 256;
+      if (kk >= k1) break;
+      float wf[8];
+      unpack8<T>(wv[u], wf);
+#pragma unroll
+      for (int r = 0; r < MAXM; ++r) {
+        if (r < m) {
+          float xf[8];
+          unpack8<T>(ld_cached(x + (size_t)r * k + kk), xf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[r] = fmaf(wf[i], xf[i], acc[r]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < MAXM; ++r) acc[r] = warp_sum(acc[r]);
+}
+
+template <typename T, int MAXM, Epilogue EPI>
+__global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<T> a, const RowStart rs, int splits) {
+  constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
+  __shared__ float red[kWarps][NACC][MAXM];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rows_per_block = kWarps / splits;
+  const int item = blockIdx.x * rows_per_block + warp / splits, part = warp % splits;
+  const int total = EPI == Epilogue::SiluMul ? a.n[0] : rs.v[a.nw];
+  const int chunk = ((a.k + splits - 1) / splits + 255) / 256 * 256;
+  const int k0 = min(a.k, part * chunk), k1 = min(a.k, k0 + chunk);
+  int wi = 0, row = item;
+  if constexpr (EPI == Epilogue::Plain) {
+#pragma unroll
+    for (int j = 1; j < kMaxW; ++j) wi += (j < a.nw && item >= rs.v[j]) ? 1 : 0;
+    row = item - rs.v[wi];
+  }
+  float acc[NACC][MAXM] = {};
+  if (item < total) {
+    row_dot<T, MAXM>(a.w[wi] + (size_t)row * a.k, a.x, a.m, a.k, k0, k1, acc[0]);
+    if constexpr (EPI == Epilogue::SiluMul) row_dot<T, MAXM>(a.w[1] + (size_t)row * a.k, a.x, a.m, a.k, k0, k1, acc[1]);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int c = 0; c < NACC; ++c)
+#pragma unroll
+      for (int r = 0; r < MAXM; ++r) red[warp][c][r] = acc[c][r];
+  }
+  __syncthreads();
+  if (part != 0 || item >= total || lane >= a.m || lane >= MAXM) return;
+  float v[NACC];
+#pragma unroll
+  for (int c = 0; c < NACC; ++c) {
+    v[c] = 0.f;
+    for (int p = 0; p < splits; ++p) v[c] += red[warp + p][c][lane];
+  }
+  float y;
+  if constexpr (EPI == Epilogue::SiluMul) {
+    y = v[0] / (1.f + expf(-v[0])) * v[1];
+  } else {
+    y = v[0] + (a.bias[wi] ? to_float<T>(a.bias[wi][row]) : 0.f);
+  }
+  a.out[wi][(size_t)lane * a.n[wi] + row] = from_float<T>(y);
+}
+
 constexpr int kMaxRowsPerLaunch = 64;
+constexpr int kMaxSmallRows = 4;
+
+template <typename T, Epilogue EPI>
+void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  int splits = 1;
+  while (splits < kWarps && total_rows * splits < 8192) splits *= 2;
+  const int rows_per_block = kWarps / splits;
+  const int blocks = (total_rows + rows_per_block - 1) / rows_per_block;
+#define SEGKI_SMALL_CASE(M)                                                                        \
+  if (a.m <= M) {                                                                                 \
+    gemv_small_kernel<T, M, EPI><<<blocks, kWarps * 32, 0, stream>>>(a, rs, splits);   \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                               \
+    return;                                                                                       \
+  }
+  SEGKI_SMALL_CASE(1) SEGKI_SMALL_CASE(2) SEGKI_SMALL_CASE(4)
+#undef SEGKI_SMALL_CASE
+}
 
 template <typename T, Epilogue EPI>
 void launch_tiles(const GemvArgs<T>& a, int tiles) {
@@ -199,10 +303,15 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
         a.out[i] = i < nout ? reinterpret_cast<T*>(outs[i].data_ptr()) + r0 * a.n[i] : nullptr;
         a.tile_start[i + 1] = a.tile_start[i] + (a.n[i] + 15) / 16;
       }
+      RowStart rs{};
+      for (int i = 0; i < a.nw; ++i) rs.v[i + 1] = rs.v[i] + a.n[i];
+      const bool small = a.m <= kMaxSmallRows;
       if (epi == Epilogue::SiluMul) {
-        launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1]);
+        if (small) launch_small<T, Epilogue::SiluMul>(a, rs, a.n[0]);
+        else launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1]);
       } else {
-        launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw]);
+        if (small) launch_small<T, Epilogue::Plain>(a, rs, rs.v[a.nw]);
+        else launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw]);
       }
     }
   });
