@@ -75,7 +75,7 @@ def test_optimizer_step_reaches_the_captured_graph_without_recapture(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model.train()
     x = torch.randint(2, 1024, (2, 20), device="cuda")
-    model(input_ids=x, labels=x).loss.backward()
+    model(input_ids=x, labels=x, use_cache=False).loss.backward()  # training forward: no cache
     opt.step()
     after = engine.generate(ps, cfg).completion_ids
     assert engine.captures == 1
@@ -95,4 +95,5 @@ def test_memory_grows_only_by_cache_and_graph_pool(tmp_path):
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - base
     state = sum(t.numel() * t.element_size() for t in engine.state.__dict__.values())
-    assert grown < engine.cache.nbytes() + state + 32 * 2**20, (grown, engine.cache.nbytes(), state)
+    # the graph's private pool holds the step's temporaries and a cuBLAS workspace (32 MiB on sm_90)
+    assert grown < engine.cache.nbytes() + state + 64 * 2**20, (grown, engine.cache.nbytes(), state)
