@@ -1,15 +1,112 @@
-"""``segki-train``: the Hydra entry point for the GRPO / PPO recipes."""
+"""``segki-train``: run a recipe (``recipes/*.yaml``) with Hydra overrides.
+
+    segki-train --config-name grpo trainer.max_steps=20
+    python -m segki_lightning.train --config-name grpo trainer=gpu model=pretrained model.pretrained=/ckpt
+"""
 from __future__ import annotations
 
+import logging
 import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES, CONFIGS = ROOT / "recipes", ROOT / "configs"
+log = logging.getLogger("segki_lightning")
 
 
-def main() -> int:
-    """Run a recipe (arrives with the Lightning integration)."""
-    sys.stderr.write("segki-train: the GRPO/PPO recipes are not implemented yet in this version; "
-                     "use segki_lightning.apply_segment_ki directly.\n")
-    return 2
+def build_policy(cfg):
+    """``(policy, tokenizer)`` from ``cfg.model``."""
+    from .rl.model import load_pretrained, tiny_qwen35
+    from .rl.task import char_tokenizer
+
+    if cfg.model.pretrained:
+        return load_pretrained(cfg.model.pretrained, cfg.model.dtype)
+    tok = char_tokenizer()
+    model = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id, cfg.model.hidden_size, cfg.model.num_layers,
+                        cfg.model.dtype, cfg.model.seed)
+    return model, tok
+
+
+def build_data(cfg):
+    from torch.utils.data import DataLoader
+
+    from .rl.task import PromptFile, SyntheticAddition, collate
+
+    ds = (PromptFile(cfg.task.path, cfg.task.prompt_column) if cfg.task.path
+          else SyntheticAddition(cfg.task.size, cfg.task.seed))
+    gen = torch.Generator().manual_seed(cfg.task.seed)
+    return DataLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=True, drop_last=True, collate_fn=collate,
+                      generator=gen)
+
+
+def build_loggers(cfg, root: str):
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = [CSVLogger(root, name="logs", version="")]
+    if cfg.tensorboard:
+        try:
+            import tensorboard  # noqa: F401
+            loggers.append(TensorBoardLogger(root, name="tb", version=""))
+        except ImportError:
+            pass
+    return loggers
+
+
+def run(cfg) -> dict:
+    """Build policy, data, module and trainer from a composed config; fit; optionally export."""
+    import lightning.pytorch as pl
+    from hydra.utils import instantiate
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from omegaconf import OmegaConf
+
+    from .lightning import SegKICallback
+    from .rl.grpo import GRPOConfig, GRPOModule
+
+    pl.seed_everything(cfg.seed, workers=True)
+    policy, tokenizer = build_policy(cfg)
+    rewards = [instantiate(r) for r in cfg.rewards]
+    algo = GRPOConfig(**OmegaConf.to_container(cfg.algo, resolve=True))
+    module = GRPOModule(policy, tokenizer, rewards, algo)
+    root = cfg.trainer.default_root_dir
+    ckpt = ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+                           save_last=cfg.checkpoint.save_last, save_top_k=-1)
+    callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt]
+    trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer = pl.Trainer(**trainer_kw, callbacks=callbacks, logger=build_loggers(cfg, root))
+    trainer.fit(module, train_dataloaders=build_data(cfg), ckpt_path=cfg.ckpt_path)
+    if cfg.export_dir:
+        export(module, cfg.export_dir)
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def export(module, path: str) -> None:
+    """Write the trained policy (and tokenizer) with ``save_pretrained``; it reloads with
+    ``AutoModelForCausalLM.from_pretrained``."""
+    from .inject import remove_segment_ki
+
+    remove_segment_ki(module.policy)
+    module.policy.save_pretrained(path)
+    module.tokenizer.save_pretrained(path)
+    log.info("segki: exported the policy to %s", path)
+
+
+def main() -> None:
+    import hydra
+
+    from .schema import register
+
+    register()
+    sys.argv.append(f"hydra.searchpath=[file://{CONFIGS}]")
+
+    @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="grpo")
+    def _entry(cfg) -> None:
+        metrics = run(cfg)
+        log.info("segki: final metrics %s", metrics)
+
+    _entry()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -52,7 +52,9 @@ def test_gradients_equal_uninjected_on_every_parameter(family, tmp_path):
     target = torch.randn(int(mask.sum()), model.config.vocab_size)
     for m in (model, twin):
         (valid_logits(m, ids, mask) * target).sum().backward()
-    bound = 1e-4 if family == "qwen3_5" else 1e-5  # GDN: recurrence order, see TOL
+    # Qwen3.5: transformers runs the GDN recurrence chunked, the reference token by token; the relative
+    # gradient difference is ~1e-5 typically with a tail to ~4e-4 on some random models. A wrong gradient is O(1).
+    bound = 1e-3 if family == "qwen3_5" else 1e-5
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         assert p.grad is not None, f"no gradient reached {name}"
         assert rel_err(p.grad, q.grad) < bound, f"gradient of {name}: {rel_err(p.grad, q.grad):.2e}"

@@ -1,0 +1,6 @@
+"""RL algorithms as LightningModules, rewards, tasks and policy construction."""
+from .grpo import GRPOConfig, GRPOModule, group_advantages, grpo_loss
+from .rewards import ExactMatch, FormatRegex, LengthPenalty, WeightedReward
+
+__all__ = ["ExactMatch", "FormatRegex", "GRPOConfig", "GRPOModule", "LengthPenalty", "WeightedReward",
+           "group_advantages", "grpo_loss"]

@@ -1,0 +1,74 @@
+"""Structured-config schemas of ``segki-train``: a key that is not declared here fails with its name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .rl.grpo import GRPOConfig
+
+
+@dataclass
+class ModelConf:
+    pretrained: str | None = None   # local checkpoint folder; None: the embedded tiny Qwen3.5
+    dtype: str = "float32"
+    hidden_size: int = 64
+    num_layers: int = 4
+    seed: int = 0
+
+
+@dataclass
+class RolloutConf:
+    use_segki: bool = True
+    graph_capture: bool = True
+    max_batch_size: int = 64
+    max_seq_len: int = 64
+
+
+@dataclass
+class TaskConf:
+    path: str | None = None         # .jsonl/.parquet prompts; None: the synthetic addition task
+    prompt_column: str = "prompt"
+    size: int = 4096
+    prompts_per_step: int = 8
+    seed: int = 0
+
+
+@dataclass
+class TrainerConf:
+    accelerator: str = "cpu"
+    devices: Any = 1
+    strategy: str = "auto"
+    precision: str = "32-true"
+    max_steps: int = 200
+    log_every_n_steps: int = 1
+    gradient_clip_val: float | None = 1.0
+    accumulate_grad_batches: int = 1
+    enable_progress_bar: bool = True
+    default_root_dir: str = "."
+
+
+@dataclass
+class CheckpointConf:
+    every_n_train_steps: int = 100
+    save_last: bool = True
+
+
+@dataclass
+class GRPORecipe:
+    model: ModelConf = field(default_factory=ModelConf)
+    rollout: RolloutConf = field(default_factory=RolloutConf)
+    task: TaskConf = field(default_factory=TaskConf)
+    trainer: TrainerConf = field(default_factory=TrainerConf)
+    algo: GRPOConfig = field(default_factory=GRPOConfig)
+    rewards: list[Any] = field(default_factory=list)   # [{_target_: ..., weight: ...}]
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    ckpt_path: str | None = None    # resume from this Lightning checkpoint
+    export_dir: str | None = None   # save_pretrained the trained policy here
+    tensorboard: bool = True        # also log to TensorBoard when it is installed
+    seed: int = 0
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="grpo_schema", node=GRPORecipe)

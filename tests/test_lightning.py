@@ -1,0 +1,168 @@
+"""Lightning integration on CPU: recipes compose, segki-train runs, the co-location contract, teardown,
+checkpoints, resume and export."""
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from segki_lightning.lightning import SegKICallback
+from segki_lightning.rl import ExactMatch, FormatRegex, GRPOConfig, GRPOModule, LengthPenalty, WeightedReward
+from segki_lightning.rl.grpo import group_advantages, grpo_loss
+from segki_lightning.train import CONFIGS, RECIPES, run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def compose(overrides=()):
+    from hydra import compose as hcompose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from segki_lightning.schema import register
+
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(RECIPES)):
+        return hcompose(config_name="grpo", overrides=[f"hydra.searchpath=[file://{CONFIGS}]", *overrides])
+
+
+def small(tmp_path, *extra):
+    return compose([f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
+                    "task.prompts_per_step=2", "algo.num_generations=2", "algo.max_completion_length=3",
+                    "trainer.max_steps=2", *extra])
+
+
+def test_every_recipe_composes_and_instantiates(tmp_path):
+    from hydra.utils import instantiate
+
+    cfg = small(tmp_path)
+    rewards = [instantiate(r) for r in cfg.rewards]
+    assert [type(r.fn) for r in rewards] == [FormatRegex, ExactMatch]
+    assert cfg.rollout.use_segki and cfg.rollout.graph_capture
+    assert (RECIPES / "grpo.yaml").read_text().splitlines()[0] == "# segki-train --config-name grpo"
+
+
+def test_a_typo_fails_with_the_key_name(tmp_path):
+    with pytest.raises(Exception, match="max_stepz"):
+        small(tmp_path, "trainer.max_stepz=3")
+
+
+def test_segki_train_runs_three_steps(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo",
+                          "trainer.max_steps=3", "trainer.enable_progress_bar=false", "task.prompts_per_step=2",
+                          "algo.num_generations=2", f"hydra.run.dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
+                "train/loss", "rollout/tokens_per_s", "rollout/time_share", "train/rewards/exact_match"):
+        assert key in header, key
+    assert len(metrics) >= 4
+
+
+def tiny_module(**cfg):
+    from segki_lightning.rl.model import tiny_qwen35
+    from segki_lightning.rl.task import char_tokenizer
+
+    tok = char_tokenizer()
+    policy = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id, seed=int(torch.randint(0, 1000, ())))
+    rewards = [WeightedReward(FormatRegex(), 0.5), WeightedReward(ExactMatch(), 0.5)]
+    return GRPOModule(policy, tok, rewards, GRPOConfig(num_generations=4, max_completion_length=5, **cfg))
+
+
+def test_colocation_contract(tmp_path):
+    """Rollout, one optimizer step, rollout again with the same injected model."""
+    module = tiny_module()
+    cb = SegKICallback(max_batch_size=16, max_seq_len=32)
+    cb.on_fit_start(None, module)
+    engine, report = cb.engine, cb.engine.report
+    ptrs = {n: p.data_ptr() for n, p in module.policy.named_parameters()}
+    prompts = ["1+2=", "3+4="]
+    from segki_lightning.rollout import SamplingConfig
+
+    greedy = SamplingConfig(max_new_tokens=5, temperature=0.0, n=1)
+    before = module.rollout(prompts, greedy).completion_ids
+    opt = module.configure_optimizers()
+    module.train()
+    loss = module.training_step({"prompt": prompts, "answer": ["3", "7"]}, 0)
+    loss = loss + 0.0 * sum(p.sum() for p in module.policy.parameters())  # every parameter in the graph
+    loss.backward()
+    missing = [n for n, p in module.policy.named_parameters() if p.grad is None]
+    assert not missing, missing
+    opt.step()
+    with torch.no_grad():  # a decisive update so the greedy rollout must move
+        for p in module.policy.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    after = module.rollout(prompts, greedy).completion_ids
+    assert not torch.equal(before, after)
+    assert cb.engine is engine and engine.report is report  # no re-injection, same engine
+    assert {n: p.data_ptr() for n, p in module.policy.named_parameters()} == ptrs  # no weight copies
+    assert cb.state_dict()["rollouts"] == 3 and module.training
+    cb.teardown(None, module, "fit")
+    assert not any("forward" in m.__dict__ for m in module.policy.modules())
+
+
+def test_checkpoint_keys_equal_a_plain_run_and_resume_continues(tmp_path):
+    a, b = tmp_path / "segki", tmp_path / "plain"
+    run(small(a, "checkpoint.every_n_train_steps=1"))
+    run(small(b, "rollout.use_segki=false", "rollout.graph_capture=false"))
+    ck_a = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)
+    ck_b = torch.load(b / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ck_a["state_dict"].keys() == ck_b["state_dict"].keys()
+    assert ck_a["global_step"] == 2
+    cb_state = next(v for k, v in ck_a["callbacks"].items() if "SegKICallback" in k)
+    assert cb_state["rollouts"] == 2 and cb_state["tokens"] > 0
+    run(small(a, f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}", "trainer.max_steps=4",
+              "checkpoint.every_n_train_steps=1"))
+    resumed = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == 4
+    assert next(v for k, v in resumed["callbacks"].items() if "SegKICallback" in k)["rollouts"] == 4
+
+
+def test_export_reloads_with_from_pretrained(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run(small(tmp_path, f"export_dir={tmp_path / 'export'}"))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "export")
+    assert tok("1+2=")["input_ids"] and model.config.model_type == "qwen3_5_text"
+
+
+def test_sharded_strategy_fails_fast():
+    class FSDPStrategy:  # what Lightning's FSDP strategy is called
+        pass
+
+    trainer = type("T", (), {"strategy": FSDPStrategy()})()
+    with pytest.raises(RuntimeError, match="ddp"):
+        SegKICallback().setup(trainer, tiny_module(), "fit")
+    with pytest.raises(ValueError, match="max_batch_size"):
+        SegKICallback(max_batch_size=0)
+
+
+def test_rewards_and_advantages():
+    assert ExactMatch()(["q"] * 3, ["so 12", "7", "x"], answer=["12", "8", "1"]) == [1.0, 0.0, 0.0]
+    assert FormatRegex()([""] * 2, ["42", "4 2"]) == [1.0, 0.0]
+    assert LengthPenalty(4)([""] * 3, ["abc", "abcdef", "a" * 20]) == [0.0, -0.5, -1.0]
+    r = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    adv = group_advantages(r, 2, "none")
+    assert torch.equal(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    assert torch.allclose(group_advantages(r, 2, "group")[:2], torch.tensor([0.7071, -0.7071]), atol=1e-3)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_grpo_loss_gradient_is_the_policy_gradient(loss_type):
+    logp = torch.randn(4, 3, requires_grad=True)
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    cfg = GRPOConfig(loss_type=loss_type, max_completion_length=3)
+    loss, stats = grpo_loss(logp, logp.detach(), None, adv, mask, cfg)
+    loss.backward()
+    assert (logp.grad[mask == 0] == 0).all()
+    signs = torch.sign(-logp.grad[:, 0])
+    assert torch.equal(signs, torch.sign(adv))  # ascend on positive advantages
+    assert stats["clip_ratio"] == 0
