@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .rl.grpo import GRPOConfig
+from .rl.ppo import PPOConfig
 
 
 @dataclass
@@ -54,12 +55,14 @@ class CheckpointConf:
 
 
 @dataclass
-class GRPORecipe:
+class Recipe:
+    """Fields every recipe has; ``algorithm`` picks the LightningModule."""
+
+    algorithm: str = "grpo"
     model: ModelConf = field(default_factory=ModelConf)
     rollout: RolloutConf = field(default_factory=RolloutConf)
     task: TaskConf = field(default_factory=TaskConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
-    algo: GRPOConfig = field(default_factory=GRPOConfig)
     rewards: list[Any] = field(default_factory=list)   # [{_target_: ..., weight: ...}]
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     ckpt_path: str | None = None    # resume from this Lightning checkpoint
@@ -68,7 +71,20 @@ class GRPORecipe:
     seed: int = 0
 
 
+@dataclass
+class GRPORecipe(Recipe):
+    algorithm: str = "grpo"
+    algo: GRPOConfig = field(default_factory=GRPOConfig)
+
+
+@dataclass
+class PPORecipe(Recipe):
+    algorithm: str = "ppo"
+    algo: PPOConfig = field(default_factory=PPOConfig)
+
+
 def register() -> None:
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="grpo_schema", node=GRPORecipe)
+    ConfigStore.instance().store(name="ppo_schema", node=PPORecipe)

@@ -1,6 +1,7 @@
 """``segki-train``: run a recipe (``recipes/*.yaml``) with Hydra overrides.
 
     segki-train --config-name grpo trainer.max_steps=20
+    segki-train --config-name ppo
     python -m segki_lightning.train --config-name grpo trainer=gpu model=pretrained model.pretrained=/ckpt
 """
 from __future__ import annotations
@@ -63,12 +64,16 @@ def run(cfg) -> dict:
 
     from .lightning import SegKICallback
     from .rl.grpo import GRPOConfig, GRPOModule
+    from .rl.ppo import PPOConfig, PPOModule
 
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
     rewards = [instantiate(r) for r in cfg.rewards]
-    algo = GRPOConfig(**OmegaConf.to_container(cfg.algo, resolve=True))
-    module = GRPOModule(policy, tokenizer, rewards, algo)
+    algorithms = {"grpo": (GRPOConfig, GRPOModule), "ppo": (PPOConfig, PPOModule)}
+    if cfg.algorithm not in algorithms:
+        raise ValueError(f"algorithm must be one of {sorted(algorithms)}, got {cfg.algorithm!r}")
+    conf_cls, module_cls = algorithms[cfg.algorithm]
+    module = module_cls(policy, tokenizer, rewards, conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True)))
     root = cfg.trainer.default_root_dir
     ckpt = ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_train_steps,
                            save_last=cfg.checkpoint.save_last, save_top_k=-1)

@@ -13,12 +13,13 @@ import torch
 from segki_lightning.lightning import SegKICallback
 from segki_lightning.rl import ExactMatch, FormatRegex, GRPOConfig, GRPOModule, LengthPenalty, WeightedReward
 from segki_lightning.rl.grpo import group_advantages, grpo_loss
+from segki_lightning.rl.ppo import PPOConfig, gae, ppo_loss
 from segki_lightning.train import CONFIGS, RECIPES, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def compose(overrides=()):
+def compose(overrides=(), name="grpo"):
     from hydra import compose as hcompose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -27,23 +28,24 @@ def compose(overrides=()):
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(RECIPES)):
-        return hcompose(config_name="grpo", overrides=[f"hydra.searchpath=[file://{CONFIGS}]", *overrides])
+        return hcompose(config_name=name, overrides=[f"hydra.searchpath=[file://{CONFIGS}]", *overrides])
 
 
-def small(tmp_path, *extra):
-    return compose([f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
+def small(tmp_path, *extra, name="grpo"):
+    return compose(name=name, overrides=[f"trainer.default_root_dir={tmp_path}", "trainer.enable_progress_bar=false",
                     "task.prompts_per_step=2", "algo.num_generations=2", "algo.max_completion_length=3",
                     "trainer.max_steps=2", *extra])
 
 
-def test_every_recipe_composes_and_instantiates(tmp_path):
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_every_recipe_composes_and_instantiates(tmp_path, name):
     from hydra.utils import instantiate
 
-    cfg = small(tmp_path)
+    cfg = small(tmp_path, name=name)
     rewards = [instantiate(r) for r in cfg.rewards]
     assert [type(r.fn) for r in rewards] == [FormatRegex, ExactMatch]
-    assert cfg.rollout.use_segki and cfg.rollout.graph_capture
-    assert (RECIPES / "grpo.yaml").read_text().splitlines()[0] == "# segki-train --config-name grpo"
+    assert cfg.rollout.use_segki and cfg.rollout.graph_capture and cfg.algorithm == name
+    assert (RECIPES / f"{name}.yaml").read_text().splitlines()[0] == f"# segki-train --config-name {name}"
 
 
 def test_a_typo_fails_with_the_key_name(tmp_path):
@@ -51,8 +53,9 @@ def test_a_typo_fails_with_the_key_name(tmp_path):
         small(tmp_path, "trainer.max_stepz=3")
 
 
-def test_segki_train_runs_three_steps(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo",
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_segki_train_runs_three_steps(tmp_path, name):
+    out = subprocess.run([sys.executable, "-m", "segki_lightning.train", "--config-name", name,
                           "trainer.max_steps=3", "trainer.enable_progress_bar=false", "task.prompts_per_step=2",
                           "algo.num_generations=2", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
@@ -166,3 +169,32 @@ def test_grpo_loss_gradient_is_the_policy_gradient(loss_type):
     signs = torch.sign(-logp.grad[:, 0])
     assert torch.equal(signs, torch.sign(adv))  # ascend on positive advantages
     assert stats["clip_ratio"] == 0
+
+
+def test_gae_matches_a_hand_computation():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.5, 0.0, 0.0]])
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.9, 0.9]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    d2 = 1.0 - 0.3
+    d1 = 0.0 + 0.9 * 0.3 - 0.2
+    d0 = 0.0 + 0.9 * 0.2 - 0.1
+    a1 = d1 + 0.45 * d2
+    want0 = torch.tensor([d0 + 0.45 * a1, a1, d2])
+    torch.testing.assert_close(adv[0], want0)
+    torch.testing.assert_close(adv[1], torch.tensor([0.5 - 0.4, 0.0, 0.0]))  # ends after one token
+    torch.testing.assert_close(ret, adv + values * mask)
+
+
+def test_ppo_loss_clips_values_and_ratios():
+    cfg = PPOConfig(cliprange=0.2, cliprange_value=0.1, vf_coef=0.5)
+    logp = torch.zeros(1, 2, requires_grad=True)
+    old = torch.tensor([[0.0, -1.0]])            # second token: ratio e > 1 + 0.2 -> clipped
+    values = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    loss, stats = ppo_loss(logp, old, values, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]),
+                           torch.tensor([[0.0, 0.0]]), torch.ones(1, 2), cfg)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] < 0      # clipped token gives no policy gradient
+    assert stats["clip_ratio"] == 0.5
+    # value 1.0 vs old 0 is clipped to 0.1, but the unclipped error is larger, so it is used (max)
+    assert values.grad[0, 0] > 0
