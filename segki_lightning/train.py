@@ -62,7 +62,7 @@ def run(cfg) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from omegaconf import OmegaConf
 
-    from .lightning import SegKICallback
+    from .lightning import RankConsistency, SegKICallback
     from .rl.grpo import GRPOConfig, GRPOModule
     from .rl.ppo import PPOConfig, PPOModule
 
@@ -77,7 +77,7 @@ def run(cfg) -> dict:
     root = cfg.trainer.default_root_dir
     ckpt = ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_train_steps,
                            save_last=cfg.checkpoint.save_last, save_top_k=-1)
-    callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt]
+    callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer = pl.Trainer(**trainer_kw, callbacks=callbacks, logger=build_loggers(cfg, root))
     trainer.fit(module, train_dataloaders=build_data(cfg), ckpt_path=cfg.ckpt_path)

@@ -1,5 +1,6 @@
 """Lightning integration: the callback that injects and owns the rollout engine, and the module mixin."""
 from .callback import SegKICallback
+from .consistency import RankConsistency
 from .mixin import SegKIRolloutMixin
 
-__all__ = ["SegKICallback", "SegKIRolloutMixin"]
+__all__ = ["RankConsistency", "SegKICallback", "SegKIRolloutMixin"]
