@@ -76,16 +76,18 @@ class StaticHybridCache:
         ts = [*self.keys.values(), *self.values.values(), *self.conv.values(), *self.recurrent.values()]
         return sum(t.numel() * t.element_size() for t in ts)
 
-    # ---- filling from a prefill (transformers DynamicCache of one prompt) into rows [r0, r0 + n)
-    def load_prompt(self, hf_cache, rows: slice, length: int) -> None:
+    # ---- filling from a prefill (a transformers DynamicCache of a left-padded prompt batch)
+    def load_prompt(self, hf_cache, src: int, pad: int, rows: slice, length: int) -> None:
+        """Copy prompt ``src`` of the prefill batch (``pad`` left-padding positions, ``length`` tokens) into
+        rows ``rows``, its tokens at positions ``[0, length)``."""
         for i, lay in enumerate(self.layouts):
             if lay.kind == "attention":
                 layer = hf_cache.layers[i]
-                self.keys[i][rows, :, :length] = layer.keys[0, :, :length]
-                self.values[i][rows, :, :length] = layer.values[0, :, :length]
+                self.keys[i][rows, :, :length] = layer.keys[src, :, pad:pad + length]
+                self.values[i][rows, :, :length] = layer.values[src, :, pad:pad + length]
             else:
-                self.conv[i][rows] = hf_cache.get_conv_state(i)[0]
-                self.recurrent[i][rows] = hf_cache.get_recurrent_state(i)[0].float()
+                self.conv[i][rows] = hf_cache.get_conv_state(i)[src]
+                self.recurrent[i][rows] = hf_cache.get_recurrent_state(i)[src].float()
         self.lengths[rows] = length
 
     # ---- transformers cache interface (decode: one token per row)

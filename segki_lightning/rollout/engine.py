@@ -1,8 +1,8 @@
 """RolloutEngine: batched generation from the SAME model that trains.
 
-Prefill runs each prompt alone through the model's own forward (exactly what that prompt alone gives;
-flash-linear-attention's chunked kernels for Gated DeltaNet when installed) and copies the state into a
-static hybrid cache, replicated for the n samples. Decode is one step function -- model forward with the
+Prefill runs the prompts through the model's own forward in left-padded groups whose result is what each
+prompt alone gives (flash-linear-attention's chunked kernels for Gated DeltaNet when installed) and copies
+the state into a static hybrid cache, replicated for the n samples. Decode is one step function -- model forward with the
 injected segments, sampling, EOS bookkeeping, length/position updates -- captured once per batch-size
 bucket as a CUDA graph and replayed; graphs survive optimizer steps because parameters are updated in
 place (a change of parameter storage is detected and triggers a recapture).
@@ -25,6 +25,7 @@ from .config import SamplingConfig
 
 log = logging.getLogger("segki_lightning")
 CHECK_EVERY = 16  # decode steps between the (only) device-to-host reads of "all rows finished?"
+PREFILL_GROUP = 16  # prompts per prefill forward (sorted by length, so padding stays small)
 
 
 class _DecodeState:
@@ -212,16 +213,32 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------------------ prefill
     def _prefill(self, prompts: list[list[int]], sampling: SamplingConfig, st: _DecodeState,
                  cache: StaticHybridCache) -> None:
+        """Prefill prompts in left-padded groups of similar length through the model's own forward.
+
+        Padded positions are masked for attention and zeroed for Gated DeltaNet (whose state a zero input
+        leaves at zero), and positions count real tokens only, so each prompt's state is the one it gets
+        alone; its first token is sampled for all of its n rows."""
         n = sampling.n
-        for i, ids in enumerate(prompts):
-            x = torch.tensor([ids], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=x, use_cache=True, logits_to_keep=1)
-            rows = slice(i * n, (i + 1) * n)
-            cache.load_prompt(out.cache, rows, len(ids))
-            logits = out.logits[:, -1].expand(n, -1)                                  # [n, V]
-            tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature[rows], st.top_k[rows],
-                                        st.top_p[rows], st.seed[rows], st.offset[rows])
-            self._record(st.rows(len(prompts) * n), tok, lp, rows)
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        for g0 in range(0, len(order), PREFILL_GROUP):
+            group = order[g0:g0 + PREFILL_GROUP]
+            width = max(len(prompts[i]) for i in group)
+            ids = torch.full((len(group), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for j, i in enumerate(group):
+                ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[j, width - len(prompts[i]):] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            positions = (mask.cumsum(1) - 1).clamp_min(0)
+            out = self.model(input_ids=ids, attention_mask=mask if len(group) > 1 else None,
+                             position_ids=positions, use_cache=True, logits_to_keep=1)
+            for j, i in enumerate(group):
+                rows = slice(i * n, (i + 1) * n)
+                cache.load_prompt(out.cache, j, width - len(prompts[i]), rows, len(prompts[i]))
+                logits = out.logits[j, -1].expand(n, -1)                                  # [n, V]
+                tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature[rows], st.top_k[rows],
+                                            st.top_p[rows], st.seed[rows], st.offset[rows])
+                self._record(st, tok, lp, rows)
         st.offset.add_(1)
 
     # ------------------------------------------------------------------------------------------ decode
