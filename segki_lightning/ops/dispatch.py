@@ -107,7 +107,10 @@ def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_
 
 def sample_tokens(logits, temperature, top_k, top_p, seed, offset) -> tuple[Tensor, Tensor]:
     """See :func:`reference.sample_tokens`."""
-    if eligible("sample_tokens", logits):
+    ok = (logits.dim() == 2 and temperature.dtype == top_p.dtype == torch.float32
+          and top_k.dtype == seed.dtype == offset.dtype == torch.int64
+          and all(t.is_cuda and t.is_contiguous() for t in (temperature, top_k, top_p, seed, offset)))
+    if eligible("sample_tokens", logits, shape_ok=ok):
         return tuple(_native("sample_tokens")(logits, temperature, top_k, top_p, seed, offset))
     return reference.sample_tokens(logits, temperature, top_k, top_p, seed, offset)
 
