@@ -18,6 +18,21 @@ from .task import decode
 
 
 @dataclass
+class RLConfig:
+    """Sampling and optimisation settings every algorithm has (TRL names)."""
+
+    num_generations: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_completion_length: int = 16
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    log_completions_every: int = 50
+    seed: int = 0
+
+
+@dataclass
 class Scored:
     """One scored rollout: rows prompt-major, ``n`` completions per prompt."""
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .base import RLModule
+from .base import RLConfig, RLModule
 from .logprobs import completion_logprobs
 from .rewards import WeightedReward
 
@@ -17,24 +17,16 @@ SCALES = ("group", "batch", "none")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(RLConfig):
     """GRPO hyper-parameters (TRL names). ``beta = 0`` builds no reference model."""
 
     num_generations: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_completion_length: int = 16
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    log_completions_every: int = 50
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if self.loss_type not in LOSS_TYPES:

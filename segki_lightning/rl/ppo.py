@@ -9,20 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .base import RLModule
+from .base import RLConfig, RLModule
 from .logprobs import completion_logprobs
 from .rewards import WeightedReward
 
 
 @dataclass
-class PPOConfig:
+class PPOConfig(RLConfig):
     """PPO hyper-parameters (TRL names). ``kl_coef = 0`` builds no reference model."""
 
-    num_generations: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_completion_length: int = 16
     gamma: float = 1.0
     lam: float = 0.95
     cliprange: float = 0.2
@@ -30,10 +25,6 @@ class PPOConfig:
     vf_coef: float = 0.1
     kl_coef: float = 0.05
     whiten_advantages: bool = True
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    log_completions_every: int = 50
-    seed: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
