@@ -115,6 +115,12 @@ def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Ten
     return reference.gdn_recurrence(q, k, v, g, beta)[0]
 
 
+def _gdn_in_proj(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """qkv, z, b, a of a Gated-DeltaNet block from its four projection weights."""
+    return ops.gdn_in_proj(x, self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
+                           self.in_proj_a.weight)
+
+
 def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
     s: GDNSpec = spec(self)
@@ -127,8 +133,7 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
     if attention_mask is not None and attention_mask.ndim == 2:  # zero padded positions (2-D padding mask)
         x = (x * attention_mask[:, :, None]).to(x.dtype)
     bsz, t, _ = x.shape
-    qkv, z, b, a = ops.gdn_in_proj(x, self.in_proj_qkv.weight, self.in_proj_z.weight,
-                                   self.in_proj_b.weight, self.in_proj_a.weight)
+    qkv, z, b, a = _gdn_in_proj(self, x)
     conv = self.conv1d
     mixed = F.conv1d(qkv.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias,
                      padding=conv.weight.shape[-1] - 1, groups=qkv.shape[-1])[..., :t]      # [B, C, T]
@@ -147,8 +152,7 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> Tensor:
     """One token per row against a static cache's states (updated in place): the fused decode step."""
     bsz = x.shape[0]
-    qkv, z, b, a = ops.gdn_in_proj(x[:, 0], self.in_proj_qkv.weight, self.in_proj_z.weight,
-                                   self.in_proj_b.weight, self.in_proj_a.weight)            # [B, C] [B, Hv*Dv] ...
+    qkv, z, b, a = _gdn_in_proj(self, x[:, 0])                                     # [B, C] [B, Hv*Dv] ...
     core = ops.gdn_decode_step(qkv, z, b, a, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias,
                                recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps,
                                s.num_k_heads, s.head_k_dim, s.head_v_dim)                    # [B, Hv*Dv]
