@@ -39,7 +39,7 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_
 template <typename T, int DK>
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
-    float* __restrict__ state, const float* __restrict__ a_log, const float* __restrict__ dt_bias,
+    float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias, bool gates_fp32,
     const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
@@ -64,8 +64,11 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
   const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
   const float v = to_float<T>(row[2 * hk * DK + h * dv + j]);
-  const float x = to_float<T>(agate[(size_t)b * hv + h]) + dt_bias[h];
-  const float g = -expf(a_log[h]) * (x > 20.f ? x : log1pf(expf(x)));
+  auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
+    return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
+  };
+  const float x = to_float<T>(agate[(size_t)b * hv + h]) + param(dt_bias);
+  const float g = -expf(param(a_log)) * (x > 20.f ? x : log1pf(expf(x)));
   const float beta = round_to<T>(1.f / (1.f + expf(-to_float<T>(bgate[(size_t)b * hv + h]))));
   const float decay = expf(g);
 
@@ -134,7 +137,14 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   TORCH_CHECK(dv % 32 == 0 && dv <= 256 && hv % hk == 0, op,
               ": head_v_dim must be a multiple of 32 up to 256 (one cluster of Dv/32 <= 8 blocks per head)");
   TORCH_CHECK(a_log.is_cuda() && dt_bias.is_cuda(), op, ": A_log and dt_bias must be CUDA tensors");
-  const auto a_log_f = a_log.to(at::kFloat).contiguous(), dt_bias_f = dt_bias.to(at::kFloat).contiguous();
+  // Read the gate parameters where they are (no per-step cast kernels) when both share fp32 or the
+  // activation dtype; any other mix is converted once per call.
+  const auto pdt = a_log.scalar_type();
+  const bool direct = pdt == dt_bias.scalar_type() && (pdt == at::kFloat || pdt == dt) && a_log.is_contiguous() &&
+                      dt_bias.is_contiguous();
+  const auto a_log_p = direct ? a_log : a_log.to(at::kFloat).contiguous();
+  const auto dt_bias_p = direct ? dt_bias : dt_bias.to(at::kFloat).contiguous();
+  const bool gates_fp32 = a_log_p.scalar_type() == at::kFloat;
   auto mixed = at::empty_like(qkv);
   auto out = at::empty({bsz, hv * dv}, qkv.options());
   if (bsz == 0) return out;
@@ -163,7 +173,8 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
       C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gdn_recurrent_kernel<T, DK>,
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()),
-          recurrent_state.data_ptr<float>(), a_log_f.data_ptr<float>(), dt_bias_f.data_ptr<float>(),
+          recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
+          static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
           reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps));
     };
