@@ -1,4 +1,5 @@
-"""Timing helpers shared by the benchmarks: copy-bandwidth ceiling and CUDA-graph replay timing."""
+"""What the benchmarks share: the Qwen3.5 model shapes, the copy-bandwidth ceiling, CUDA-graph replay
+timing and result files."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,23 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+# Qwen3.5 text-model shapes (random weights in every benchmark; nothing is downloaded)
+SHAPES = {
+    "0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                 linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+    "4b": dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
+               num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+               linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+}
+
+
+def qwen35_config(name: str, **overrides):
+    """A ``Qwen3_5TextConfig`` of the named shape (every 4th layer full attention, as released)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(**{**SHAPES[name], **overrides})
 
 
 def copy_bandwidth_gbps(gib: int = 2) -> float:

@@ -19,25 +19,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth_gbps, write_results  # noqa: E402
+from common import copy_bandwidth_gbps, qwen35_config, write_results  # noqa: E402
 
 from segki_lightning import RolloutEngine, SamplingConfig, remove_segment_ki  # noqa: E402
 
-SHAPES = {
-    "0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
-                 linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
-    "4b": dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
-               num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-               linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
-}
 PROMPT, NEW = 128, 256
 
 
 def build(name: str):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    cfg = Qwen3_5TextConfig(**SHAPES[name], eos_token_id=None, pad_token_id=0, bos_token_id=None)
+    cfg = qwen35_config(name, eos_token_id=None, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda"):
         return Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()

@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
-# One GPU session: build the extension, run the GPU tests, the kernel and the decode benchmarks
-# (transformers eager at batch 1 only; the torch.compile baseline needs its own call: 80-160 s warm-up).
-#   bash benchmarks/run_gpu.sh --out DIR [pytest -k expression]
+# GPU stages in one process tree, each writing under DIR (default: all but ddp and grpo, in this order):
+#   build   python -m segki_lightning.ops.build                  (the extension, JIT cache)
+#   tests   pytest tests/gpu                                     (gpu_tests.log)
+#   kernels benchmarks/kernels.py                                (kernels.json/md)
+#   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
+#   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
+#   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU       (grpo_gpu/)
+#   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
+# usage: bash benchmarks/run_gpu.sh --out DIR [stage ...]
 set -uo pipefail
-[[ ${1:-} == --out ]] || { echo "usage: $0 --out DIR [-k EXPR]"; exit 2; }
+[[ ${1:-} == --out ]] || { echo "usage: $0 --out DIR [stage ...]"; exit 2; }
 out=$2; shift 2
+stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(build tests kernels decode profile)
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-start=$(date +%s)
-python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 error "$out/build.log"; exit 1; }
-echo "build: $(( $(date +%s) - start )) s"
-python3 -m pytest -q -x tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$out/gpu_tests.log" | tail -25
-python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110
-python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1; tail -32 "$out/decode.log" | cut -c1-160
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+for stage in "${stages[@]}"; do
+  start=$(date +%s)
+  case $stage in
+    build)   python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 error "$out/build.log"; exit 1; } ;;
+    tests)   python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
+    kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
+    decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
+             tail -32 "$out/decode.log" | cut -c1-160 ;;
+    profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;
+    grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
+    ddp)     python3 benchmarks/grpo_gpu.py --out "$out/grpo_ddp" --runs segki --devices 1 2 > "$out/ddp.log" 2>&1; tail -6 "$out/ddp.log" ;;
+    *)       echo "unknown stage $stage"; exit 2 ;;
+  esac
+  echo "== $stage: $(( $(date +%s) - start )) s"
+done

@@ -138,6 +138,21 @@ def test_gdn_recurrence_matches_transformers_chunked_rule():
     torch.testing.assert_close(state, want_state, rtol=1e-4, atol=1e-4)
 
 
+def test_gdn_chunked_equals_the_recurrence_in_values_and_gradients():
+    t = 70  # more than one 64-token chunk
+    leaves = [rand(2, t, 2, 16), rand(2, t, 2, 16), rand(2, t, 4, 16), -torch.rand(2, t, 4), torch.rand(2, t, 4)]
+    grads = []
+    for fn in (lambda *a: R.gdn_recurrence(*a)[0], R.gdn_chunked):
+        xs = [x.clone().requires_grad_() for x in leaves]
+        out = fn(*xs)
+        out.backward(torch.ones_like(out))
+        grads.append((out.detach(), [x.grad for x in xs]))
+    (want, want_grads), (got, got_grads) = grads
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for g_got, g_want in zip(got_grads, want_grads):
+        torch.testing.assert_close(g_got, g_want, rtol=1e-3, atol=1e-4)
+
+
 # -------------------------------------------------------------------------------------------- sampling
 def _sampling_args(b, temperature=1.0, top_k=0, top_p=1.0, seed=0):
     return (torch.full((b,), float(temperature)), torch.full((b,), top_k, dtype=torch.int64),

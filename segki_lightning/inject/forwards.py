@@ -101,7 +101,7 @@ def _fla_backward_ok() -> bool:
 def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """Whole-sequence gated delta rule from a zero state: flash-linear-attention's chunked kernel on CUDA
     when it is installed (and, when gradients are needed, its backward works with this Triton), else the
-    reference recurrence. ``[B, T, H*, D*]`` -> ``[B, T, Hv, Dv]``."""
+    chunked torch reference. ``[B, T, H*, D*]`` -> ``[B, T, Hv, Dv]``."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
     if q.is_cuda and (not needs_grad or _fla_backward_ok()):
         try:
@@ -112,7 +112,7 @@ def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Ten
             out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
                                             output_final_state=False, use_qk_l2norm_in_kernel=True)
             return out
-    return reference.gdn_recurrence(q, k, v, g, beta)[0]
+    return reference.gdn_chunked(q, k, v, g, beta)
 
 
 def _gdn_in_proj(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:

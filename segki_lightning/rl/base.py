@@ -100,10 +100,15 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        """Rollout seconds over the whole step (rollout, scoring, forward, backward, optimizer)."""
+        """Wall time of the whole step (rollout, scoring, forward, backward, optimizer; the GPU's queue
+        drained) and the rollout's share of it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         step_s = max(time.perf_counter() - self._step_started, 1e-9)
-        self.log("rollout/time_share", self._last_rollout_s / step_s, batch_size=len(batch["prompt"]),
-                 sync_dist=True)
+        kw = dict(batch_size=len(batch["prompt"]), sync_dist=True)
+        self.log("rollout/time_share", self._last_rollout_s / step_s, **kw)
+        self.log("time/step_s", step_s, **kw)
+        self.log("time/rollout_s", self._last_rollout_s, **kw)
 
     def _log_completions(self, rows: list[dict]) -> None:
         """A few sample completions: a TensorBoard text table when that logger is present, else a JSONL

@@ -64,6 +64,21 @@ def gdn_recurrence(
     return torch.stack(outs, dim=1).to(v.dtype), state
 
 
+def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """The same rule as :func:`gdn_recurrence` from a zero state, evaluated chunk-parallel (64 tokens at a
+    time) by transformers' pure-torch implementation: differentiable and a few hundred kernels per layer
+    instead of ~10 per token, so it is what training runs when no fused kernel can do the backward.
+    Shapes as :func:`gdn_recurrence`; returns ``out [B, T, Hv, Dv]`` in ``v.dtype``."""
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    # the undecorated torch function (the decorator would pick flash-linear-attention when installed)
+    torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+    out, _ = torch_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    return out.to(v.dtype)
+
+
 def gdn_decode_step(
     qkv: Tensor, z: Tensor, b: Tensor, a: Tensor,
     conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,

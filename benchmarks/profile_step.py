@@ -1,0 +1,96 @@
+"""Where one captured decode step spends its time: every kernel of the graph, grouped by name, with its
+calls and GPU microseconds per step, against the step's wall time (the difference is launch gaps and
+ramp/tail between dependent kernels).
+
+    python benchmarks/profile_step.py --out benchmarks/results/profile [--models 4b 0.8b] [--batch 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+from decode import build  # noqa: E402
+
+from segki_lightning import RolloutEngine, SamplingConfig  # noqa: E402
+
+REPLAYS = 20
+
+
+def short(name: str) -> str:
+    """A kernel's name without template arguments and parameter lists."""
+    name = name.replace("(anonymous namespace)::", "").split("(")[0]
+    depth, out = 0, []
+    for ch in name:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">"
+    return "".join(out).replace("void ", "").strip()[:80]
+
+
+def profile_model(name: str, batch: int) -> list[dict]:
+    model = build(name)
+    engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
+                           eos_token_id=[])
+    engine.generate([list(range(10, 138))], SamplingConfig(max_new_tokens=32, temperature=0.0, n=batch))
+    graph = engine._graphs[engine._bucket(batch)][0]
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    step_us = (time.perf_counter() - t0) / REPLAYS * 1e6
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            graph.replay()
+        torch.cuda.synchronize()
+    per = defaultdict(lambda: [0, 0.0])
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in kernels:
+        per[short(e.name)][0] += 1
+        per[short(e.name)][1] += e.time_range.elapsed_us()
+    busy = sum(v[1] for v in per.values()) / REPLAYS
+    rows = [dict(model=name, batch=batch, kernel=k, calls_per_step=round(c / REPLAYS, 2), us_per_step=round(t / REPLAYS, 1),
+                 pct_of_step=round(100 * t / REPLAYS / step_us, 1))
+            for k, (c, t) in sorted(per.items(), key=lambda kv: -kv[1][1])]
+    rows.append(dict(model=name, batch=batch, kernel="(step wall time)", calls_per_step=round(len(kernels) / REPLAYS, 1),
+                     us_per_step=round(step_us, 1), pct_of_step=100.0))
+    rows.append(dict(model=name, batch=batch, kernel="(gaps: wall - kernel time)", us_per_step=round(step_us - busy, 1),
+                     pct_of_step=round(100 * (step_us - busy) / step_us, 1)))
+    engine.free()
+    del engine, model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", nargs="+", default=["4b", "0.8b"])
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    rows = []
+    for name in args.models:
+        rows += profile_model(name, args.batch)
+        print(json.dumps(rows[-2:]), flush=True)
+    header = (f"# One captured decode step, kernel by kernel (bf16, batch {args.batch}, {torch.cuda.get_device_name()})"
+              f"\n\nCommand: `python benchmarks/profile_step.py --out DIR --models {' '.join(args.models)} "
+              f"--batch {args.batch}`")
+    write_results(args.out, "profile_step", rows, ["model", "batch", "kernel", "calls_per_step", "us_per_step",
+                                                   "pct_of_step"], header)
+    print((args.out / "profile_step.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
