@@ -129,6 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for kernels.json / kernels.md")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 32])
     args = ap.parse_args()
     if native_ops() is None:
         sys.exit("the segki extension is not available on this machine")
@@ -136,7 +137,7 @@ def main() -> None:
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
     rows = []
     for model in args.models:
-        for batch in (1, 16):
+        for batch in args.batches:
             for name, (k, ns) in proj_cases(model).items():
                 rows.append(bench_projection(model, name, k, ns, batch, bw))
                 print(rows[-1], flush=True)
@@ -152,7 +153,7 @@ def main() -> None:
     header = (f"# Kernel benchmark (bf16, CUDA-graph replays, median)\n\nCopy bandwidth {bw:.0f} GB/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"
-              "Command: `python benchmarks/kernels.py --out benchmarks/results`")
+              f"Command: `python benchmarks/kernels.py --out benchmarks/results --batches {' '.join(map(str, args.batches))}`")
     write_results(args.out, "kernels", rows, cols, header)
     print("\n".join(open(args.out / "kernels.md").read().splitlines()[6:]))
 

@@ -33,6 +33,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ lengths,
     float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int hq, int hkv, int s_max,
     int g, float scale) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   constexpr int E = D / 32;
   const int split = blockIdx.x, splits = gridDim.x, kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -121,6 +123,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
 template <typename T, int D>
 __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_m,
                                     const float* __restrict__ part_l, T* __restrict__ out, int hq, int splits) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const size_t o = ((size_t)b * hq + h) * splits;
   float mm = -INFINITY;
@@ -168,15 +172,13 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   SEGKI_DISPATCH_HALF(q.scalar_type(), op, [&] {
     auto run = [&](auto d_const, auto g_const) {
       constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
-      attn_partial_kernel<T, DD, GG><<<dim3(splits, hkv, bsz), kWarps * 32, 0, stream>>>(
+      launch_pdl(attn_partial_kernel<T, DD, GG>, dim3(splits, hkv, bsz), dim3(kWarps * 32), stream, dim3(1),
           reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kc.data_ptr()),
           reinterpret_cast<const T*>(vc.data_ptr()), lens.data_ptr<int>(), part_acc.data_ptr<float>(),
           part_m.data_ptr<float>(), part_l.data_ptr<float>(), hq, hkv, s_max, g, (float)scale);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      attn_combine_kernel<T, DD><<<dim3(hq, bsz), DD, 0, stream>>>(
+      launch_pdl(attn_combine_kernel<T, DD>, dim3(hq, bsz), dim3(DD), stream, dim3(1),
           part_acc.data_ptr<float>(), part_m.data_ptr<float>(), part_l.data_ptr<float>(),
           reinterpret_cast<T*>(out.data_ptr()), hq, splits);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto by_g = [&](auto d_const) {
       if (g == 1) run(d_const, std::integral_constant<int, 1>{});

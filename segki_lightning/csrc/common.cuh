@@ -1,4 +1,5 @@
-// Shared device helpers: 16-byte vector loads, bf16/fp16 <-> fp32, warp/block reductions, launch checks.
+// Shared device helpers: 16-byte vector loads, bf16/fp16 <-> fp32, warp/block reductions, launch checks,
+// programmatic dependent launch.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,7 +9,10 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <string>
 #include <type_traits>
+#include <utility>
 
 namespace segki {
 
@@ -113,6 +117,71 @@ inline void check_cuda_half(const at::Tensor& t, const char* op, const char* nam
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// ---- Programmatic dependent launch (sm_90): every kernel here is launched with `launch_pdl`, so it may start
+// while the kernel before it in the stream is still finishing, and the next one may start while it finishes.
+// Contract of each kernel: call pdl_launch_dependents() first, then do only work that reads nothing another
+// kernel writes (an L2 prefetch of weights), then pdl_wait() -- which returns once the previous kernel has
+// completed and its writes are visible -- before reading activations or writing anything. The prefetch is
+// safe even right after an in-place weight update: L2 is where writes land, a prefetch only warms it.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The warp prefetches `rows` rows of a row-major [*, ld] half matrix, columns [k0, k1), into L2.
+template <typename T>
+__device__ __forceinline__ void prefetch_rows_l2(const T* p, int rows, size_t ld, int k0, int k1) {
+  constexpr int kLine = 128 / sizeof(T);  // elements per 128-byte line
+  const int lines = (k1 - k0 + kLine - 1) / kLine;
+  for (int i = threadIdx.x & 31; i < rows * lines; i += 32) {
+    const T* a = p + (size_t)(i / lines) * ld + k0 + (i % lines) * kLine;
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+  }
+}
+
+// SEGKI_PDL=0 in the environment launches every kernel in plain stream order (the wait/trigger instructions
+// are then no-ops): a switch for debugging and for comparing timings.
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("SEGKI_PDL");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled;
+}
+
+// Launch `kernel` on `stream` with programmatic stream serialization and, when `cluster` has more than one
+// block, that thread-block cluster shape.
+template <typename... KernelArgs, typename... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, dim3 cluster,
+                Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl_enabled()) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster.x * cluster.y * cluster.z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster.x;
+    attr[n].val.clusterDim.y = cluster.y;
+    attr[n++].val.clusterDim.z = cluster.z;
+  }
+  cfg.attrs = attr;
+  cfg.numAttrs = n;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
 }  // namespace segki

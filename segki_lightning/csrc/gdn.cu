@@ -17,6 +17,8 @@ constexpr int kMaxWidth = 8;
 template <typename T>
 __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_state, const T* __restrict__ w,
                                 const T* __restrict__ bias, T* __restrict__ mixed, int c_total, int width) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (c >= c_total) return;
   T* st = conv_state + ((size_t)b * c_total + c) * width;
@@ -41,6 +43,8 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias, bool gates_fp32,
     const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -51,6 +55,11 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const int kh = h / (hv / hk);
   __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
   __shared__ float sq_part;
+  // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
+  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
+  float s[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
   const T* row = mixed + (size_t)b * c_total;
   float qq = 0.f, kk = 0.f;
   for (int i = threadIdx.x; i < DK; i += 128) {
@@ -72,10 +81,6 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const float beta = round_to<T>(1.f / (1.f + expf(-to_float<T>(bgate[(size_t)b * hv + h]))));
   const float decay = expf(g);
 
-  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
-  float s[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
   float part = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -151,32 +156,21 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   c10::cuda::CUDAGuard guard(qkv.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(dt, op, [&] {
-    gdn_conv_kernel<T><<<dim3((c_total + 255) / 256, bsz), 256, 0, stream>>>(
+    launch_pdl(gdn_conv_kernel<T>, dim3((c_total + 255) / 256, bsz), dim3(256), stream, dim3(1),
         reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(conv_state.data_ptr()),
         reinterpret_cast<const T*>(conv_weight.data_ptr()),
         conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
         reinterpret_cast<T*>(mixed.data_ptr()), c_total, width);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(hv * (dv / 32), bsz);
-      cfg.blockDim = dim3(128);
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = dv / 32;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, gdn_recurrent_kernel<T, DK>,
+      // clusters of Dv/32 blocks: one cluster per (value head, row)
+      launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(hv * (dv / 32), bsz), dim3(128), stream, dim3(dv / 32),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()),
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
-          reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps));
+          reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps);
     };
     if (dk == 64) launch(std::integral_constant<int, 64>{});
     else if (dk == 128) launch(std::integral_constant<int, 128>{});

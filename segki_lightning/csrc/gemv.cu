@@ -1,21 +1,27 @@
 // Decode GEMV family: y_i = x @ W_i^T for up to four ORIGINAL weight matrices sharing one input, every
 // weight element read exactly once for all rows of x (up to 64 per launch). Up to 4 rows run on CUDA
-// cores (below); more rows run on tensor cores:
+// cores (below); 5-64 rows run on tensor cores:
 //
-// A block owns a tile of 16 output columns (16 rows of one weight, or of the gate AND up weights for the
-// SiLU-gated front) and its 8 warps split K. Per 32-wide k block a lane streams 16 bytes of weight row g and
-// g+8 (g = lane / 4) and 16 bytes of x row g of each group of 8 batch rows, and issues two
-// mma.m16n8k16 per batch group. The 8 consecutive k of a lane map to fragment slots {2t, 2t+1, 2t+8, 2t+9}
-// of two k-steps; A and B use the same permutation, so the dot products are unchanged. Partial tiles of the
-// 8 warps are summed in shared memory in a fixed order (deterministic), then the epilogue (bias, SiLU*up)
-// writes [M, N].
+// A block of 4 warps owns a group of 64 output columns (16 per warp: 16 rows of one weight, or of the gate
+// AND up weights for the SiLU-gated front) and one of S slices of K. Per 32-wide k block a lane streams 16
+// bytes of weight row g and g+8 (g = lane / 4) and reads 16 bytes of x row g of each group of 8 batch rows
+// (the 4 warps read the same x slice, so it comes from L1), and issues two mma.m16n8k16 per batch group. The
+// 8 consecutive k of a lane map to fragment slots {2t, 2t+1, 2t+8, 2t+9} of two k-steps; A and B use the
+// same permutation, so the dot products are unchanged. The S blocks of a group form a thread-block cluster
+// and sum their partial tiles through distributed shared memory in split order (deterministic); S grows
+// until the grid fills the GPU several times over, so a small N no longer leaves SMs idle.
 #include "common.cuh"
+
+#include <cooperative_groups.h>
 
 namespace segki {
 namespace {
 
-constexpr int kWarps = 8;   // K splits per tile
-constexpr int kUnroll = 4;  // k blocks (32 wide) whose loads are issued together
+namespace cg = cooperative_groups;
+
+constexpr int kTileWarps = 4;  // 16-column tiles per block
+constexpr int kUnroll = 4;     // k blocks (32 wide) whose weight loads are issued together
+constexpr int kMaxSplits = 8;  // K slices per group = cluster size (the portable maximum)
 constexpr int kMaxW = 4;
 
 enum class Epilogue { Plain, SiluMul };
@@ -50,7 +56,8 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
-// acc[NB][4]: C fragments (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j).
+// acc[NB][4]: C fragments (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j) over k blocks
+// [kb0, kb1). Weight loads of kUnroll k blocks are in flight together; x is read per k block (L1 hits).
 template <typename T, int NB>
 __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NB][4]) {
@@ -59,96 +66,129 @@ __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left,
   const T* w_hi = w + (size_t)(g + 8) * k;
   const bool lo_ok = g < rows_left, hi_ok = g + 8 < rows_left;
   for (int kb = kb0; kb < kb1; kb += kUnroll) {
-    uint4 wl[kUnroll], wh[kUnroll], xv[kUnroll][NB];
+    uint4 wl[kUnroll], wh[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kk = (kb + u) * 32 + t * 8;
       const bool in = kb + u < kb1 && kk < k;
       wl[u] = in && lo_ok ? ld_stream(w_lo + kk) : make_uint4(0, 0, 0, 0);
       wh[u] = in && hi_ok ? ld_stream(w_hi + kk) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int j = 0; j < NB; ++j)
-        xv[u][j] = in && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      const int kk = (kb + u) * 32 + t * 8;
+      const bool in = kb + u < kb1 && kk < k;
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
-        mma16816<T>(acc[j], wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv[u][j].x, xv[u][j].y);
-        mma16816<T>(acc[j], wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv[u][j].z, xv[u][j].w);
+        const uint4 xv = in && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
+        mma16816<T>(acc[j], wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv.x, xv.y);
+        mma16816<T>(acc[j], wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv.z, xv.w);
       }
     }
   }
 }
 
-// Sum the C fragments of all warps into warp 0's registers, in warp order.
-template <int NB>
-__device__ __forceinline__ void reduce_warps(float acc[NB][4], float* red /* [32 * NB * 4] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int w = 0; w < kWarps; ++w) {
-    if (warp == w) {
-#pragma unroll
-      for (int j = 0; j < NB; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float* r = red + (lane * NB + j) * 4 + i;
-          *r = w == 0 ? acc[j][i] : *r + acc[j][i];
-        }
-    }
-    __syncthreads();
-  }
-  if (warp == 0) {
-#pragma unroll
-    for (int j = 0; j < NB; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = red[(lane * NB + j) * 4 + i];
-  }
-}
-
-template <typename T, int NB, Epilogue EPI>
-__global__ void __launch_bounds__(kWarps * 32) gemv_mma_kernel(const GemvArgs<T> a) {
-  __shared__ float red[(EPI == Epilogue::SiluMul ? 2 : 1)][32 * NB * 4];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x;
+// Which weight a 16-row tile of the concatenated outputs belongs to.
+template <typename T, Epilogue EPI>
+__device__ __forceinline__ int weight_of_tile(const GemvArgs<T>& a, int tile) {
   int wi = 0;
   if constexpr (EPI == Epilogue::Plain) {
 #pragma unroll
     for (int j = 1; j < kMaxW; ++j) wi += (j < a.nw && tile >= a.tile_start[j]) ? 1 : 0;
   }
-  const int row0 = (tile - a.tile_start[wi]) * 16;
-  const int rows_left = a.n[wi] - row0;
-  const int kblocks = (a.k + 31) / 32, per_warp = (kblocks + kWarps - 1) / kWarps;
-  const int kb0 = min(kblocks, warp * per_warp), kb1 = min(kblocks, kb0 + per_warp);
+  return wi;
+}
 
-  float acc[NB][4] = {};
-  tile_dot<T, NB>(a.w[wi] + (size_t)row0 * a.k, rows_left, a.x, a.m, a.k, kb0, kb1, acc);
-  reduce_warps<NB>(acc, red[0]);
-  float up[NB][4] = {};
+// One output element from its accumulated value(s): bias, or SiLU(gate) * up.
+template <typename T, Epilogue EPI>
+__device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row, int col, float v, float up) {
+  if (row >= a.n[wi] || col >= a.m) return;
   if constexpr (EPI == Epilogue::SiluMul) {
-    tile_dot<T, NB>(a.w[1] + (size_t)row0 * a.k, rows_left, a.x, a.m, a.k, kb0, kb1, up);
-    reduce_warps<NB>(up, red[1]);
+    v = v / (1.f + expf(-v)) * up;
+  } else if (a.bias[wi]) {
+    v += to_float<T>(a.bias[wi][row]);
   }
-  if (warp != 0) return;
+  a.out[wi][(size_t)col * a.n[wi] + row] = from_float<T>(v);
+}
+
+// Fragment element f of a warp: (C slot i, batch group j, lane) -> tile row and batch column.
+template <int NB>
+__device__ __forceinline__ void frag_pos(int f, int& row, int& col) {
+  const int lane = f / (NB * 4), j = (f / 4) % NB, i = f % 4;
+  row = (lane >> 2) + (i >= 2 ? 8 : 0);
+  col = j * 8 + 2 * (lane & 3) + (i & 1);
+}
+
+template <typename T, int NB, Epilogue EPI>
+__global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArgs<T> a, int splits) {
+  constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
+  constexpr int FRAG = 32 * NB * 4;  // floats in one warp's C fragments
+  __shared__ float part[NACC][kTileWarps * FRAG];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int total_tiles = EPI == Epilogue::SiluMul ? a.tile_start[1] : a.tile_start[a.nw];
+  const int tile = blockIdx.x * kTileWarps + warp;
+  const int wi = weight_of_tile<T, EPI>(a, min(tile, total_tiles - 1));
+  const int row0 = (tile - a.tile_start[wi]) * 16;
+  const int kblocks = (a.k + 31) / 32, per_split = (kblocks + splits - 1) / splits;
+  const int kb0 = min(kblocks, (int)blockIdx.y * per_split), kb1 = min(kblocks, kb0 + per_split);
+
+  pdl_launch_dependents();
+  if (tile < total_tiles) {  // weights only (never written by a kernel of the step): warm L2, then wait
+    const int r = min(16, a.n[wi] - row0), c0 = kb0 * 32, c1 = min(a.k, kb1 * 32);
+    prefetch_rows_l2(a.w[wi] + (size_t)row0 * a.k, r, a.k, c0, c1);
+    if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row0 * a.k, r, a.k, c0, c1);
+  }
+  pdl_wait();
+  float acc[NACC][NB][4] = {};
+  if (tile < total_tiles) {
+    tile_dot<T, NB>(a.w[wi] + (size_t)row0 * a.k, a.n[wi] - row0, a.x, a.m, a.k, kb0, kb1, acc[0]);
+    if constexpr (EPI == Epilogue::SiluMul)
+      tile_dot<T, NB>(a.w[1] + (size_t)row0 * a.k, a.n[0] - row0, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
+  }
+  if (splits == 1) {  // the whole K in this block: write from registers
+    if (tile >= total_tiles) return;
 #pragma unroll
-  for (int j = 0; j < NB; ++j)
+    for (int j = 0; j < NB; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = row0 + g + (i >= 2 ? 8 : 0), col = j * 8 + 2 * t + (i & 1);
-      if (row >= a.n[wi] || col >= a.m) continue;
-      float v = acc[j][i];
-      if constexpr (EPI == Epilogue::SiluMul) {
-        v = v / (1.f + expf(-v)) * up[j][i];
-      } else if (a.bias[wi]) {
-        v += to_float<T>(a.bias[wi][row]);
+      for (int i = 0; i < 4; ++i) {
+        int row, col;
+        frag_pos<NB>((lane * NB + j) * 4 + i, row, col);
+        store_out<T, EPI>(a, wi, row0 + row, col, acc[0][j][i], acc[NACC - 1][j][i]);
       }
-      a.out[wi][(size_t)col * a.n[wi] + row] = from_float<T>(v);
+    return;
+  }
+#pragma unroll
+  for (int c = 0; c < NACC; ++c)
+#pragma unroll
+    for (int j = 0; j < NB; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[c][warp * FRAG + (lane * NB + j) * 4 + i] = acc[c][j][i];
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  // block `rank` of the cluster sums every splits-th element of the group's tiles over all K slices
+  const int rank = (int)cluster.block_rank();
+  for (int e = rank * blockDim.x + threadIdx.x; e < kTileWarps * FRAG; e += splits * blockDim.x) {
+    const int tl = blockIdx.x * kTileWarps + e / FRAG;
+    if (tl >= total_tiles) break;
+    float v[NACC] = {};
+    for (int s = 0; s < splits; ++s) {
+      const float* peer = cluster.map_shared_rank(&part[0][0], s);
+#pragma unroll
+      for (int c = 0; c < NACC; ++c) v[c] += peer[c * kTileWarps * FRAG + e];
     }
+    const int wj = weight_of_tile<T, EPI>(a, tl);
+    int row, col;
+    frag_pos<NB>(e % FRAG, row, col);
+    store_out<T, EPI>(a, wj, (tl - a.tile_start[wj]) * 16 + row, col, v[0], v[NACC - 1]);
+  }
+  cluster.sync();  // peers' shared memory stays alive until every block has read it
 }
 
 // ---- small batches (m <= 4): CUDA cores, one warp streams a contiguous 512-byte stretch of one weight row
 // per load instruction (the best DRAM locality); `splits` warps share a row's K when N alone cannot fill
 // the GPU, and their partial sums meet in shared memory.
-constexpr int kSmallUnroll = 4;
+constexpr int kWarps = 8;        // warps per block
+constexpr int kSmallUnroll = 4;  // 512-byte row stretches in flight per warp
 
 struct RowStart {  // cumulative output rows per weight
   int v[kMaxW + 1];
@@ -202,6 +242,12 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
     for (int j = 1; j < kMaxW; ++j) wi += (j < a.nw && item >= rs.v[j]) ? 1 : 0;
     row = item - rs.v[wi];
   }
+  pdl_launch_dependents();
+  if (item < total) {  // weights only: warm L2 while the previous kernel finishes, then wait for it
+    prefetch_rows_l2(a.w[wi] + (size_t)row * a.k, 1, a.k, k0, k1);
+    if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row * a.k, 1, a.k, k0, k1);
+  }
+  pdl_wait();
   float acc[NACC][MAXM] = {};
   if (item < total) {
     row_dot<T, MAXM>(a.w[wi] + (size_t)row * a.k, a.x, a.m, a.k, k0, k1, acc[0]);
@@ -242,22 +288,32 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   const int blocks = (total_rows + rows_per_block - 1) / rows_per_block;
 #define SEGKI_SMALL_CASE(M)                                                                        \
   if (a.m <= M) {                                                                                 \
-    gemv_small_kernel<T, M, EPI><<<blocks, kWarps * 32, 0, stream>>>(a, rs, splits);   \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                               \
+    launch_pdl(gemv_small_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), stream, dim3(1), a, rs, splits); \
     return;                                                                                       \
   }
   SEGKI_SMALL_CASE(1) SEGKI_SMALL_CASE(2) SEGKI_SMALL_CASE(4)
 #undef SEGKI_SMALL_CASE
 }
 
+// K slices per group: double while the grid is below 4 blocks per SM and each slice keeps at least two
+// rounds of kUnroll k blocks.
+int choose_splits(int groups, int kblocks) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int splits = 1;
+  while (splits < kMaxSplits && groups * splits < 4 * sms && kblocks / (2 * splits) >= 2 * kUnroll) splits *= 2;
+  return splits;
+}
+
 template <typename T, Epilogue EPI>
 void launch_tiles(const GemvArgs<T>& a, int tiles) {
+  const int groups = (tiles + kTileWarps - 1) / kTileWarps;
+  const int splits = choose_splits(groups, (a.k + 31) / 32);
   auto stream = at::cuda::getCurrentCUDAStream();
-#define SEGKI_GEMV_CASE(NB)                                                         \
-  if (a.m <= NB * 8) {                                                             \
-    gemv_mma_kernel<T, NB, EPI><<<tiles, kWarps * 32, 0, stream>>>(a);             \
-    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                \
-    return;                                                                        \
+#define SEGKI_GEMV_CASE(NB)                                                                               \
+  if (a.m <= NB * 8) {                                                                                   \
+    launch_pdl(gemv_mma_kernel<T, NB, EPI>, dim3(groups, splits), dim3(kTileWarps * 32), stream,          \
+               dim3(1, splits, 1), a, splits);                                                           \
+    return;                                                                                              \
   }
   SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)
 #undef SEGKI_GEMV_CASE

@@ -13,6 +13,8 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
                                                             const T* __restrict__ w, T* __restrict__ out,
                                                             T* __restrict__ new_res, int h, float eps,
                                                             bool unit_offset) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * h;
@@ -59,11 +61,10 @@ void launch(const char* op, const at::Tensor& x, const at::Tensor* res, const at
   if (rows == 0) return;
   c10::cuda::CUDAGuard guard(x.device());
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
-    rms_norm_kernel<T, ADD><<<rows, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    launch_pdl(rms_norm_kernel<T, ADD>, dim3(rows), dim3(kThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
         reinterpret_cast<const T*>(x.data_ptr()), res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr,
         reinterpret_cast<const T*>(w.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
         new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 

@@ -65,6 +65,8 @@ template <typename T>
 __global__ void __launch_bounds__(kSplitThreads) sample_split_kernel(
     const T* __restrict__ logits, const float* __restrict__ temperature, const int64_t* __restrict__ seed,
     const int64_t* __restrict__ offset, float* __restrict__ part, int vocab) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   __shared__ Best best_scratch[32];
   const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.y;
@@ -123,6 +125,8 @@ template <typename T>
 __global__ void sample_merge_kernel(const T* __restrict__ logits, const float* __restrict__ temperature,
                                     const float* __restrict__ part, int splits, int vocab,
                                     int64_t* __restrict__ tokens, float* __restrict__ logprobs) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   const int b = blockIdx.x, lane = threadIdx.x;
   Best top{-INFINITY, INT_MAX}, pick{-INFINITY, INT_MAX};
   for (int s = lane; s < splits; s += 32) {
@@ -157,6 +161,8 @@ __global__ void __launch_bounds__(kThreads) filtered_sample_kernel(
     const T* __restrict__ logits, const float* __restrict__ temperature, const int64_t* __restrict__ top_k,
     const float* __restrict__ top_p, const int64_t* __restrict__ seed, const int64_t* __restrict__ offset,
     int64_t* __restrict__ tokens, float* __restrict__ logprobs, int vocab) {
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   __shared__ Best best_scratch[32];
   const int b = blockIdx.x;
@@ -253,19 +259,16 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const
   auto part = at::empty({bsz, splits, 5}, logits.options().dtype(at::kFloat));
   auto stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(logits.scalar_type(), op, [&] {
-    sample_split_kernel<T><<<dim3(splits, bsz), kSplitThreads, 0, stream>>>(
+    launch_pdl(sample_split_kernel<T>, dim3(splits, bsz), dim3(kSplitThreads), stream, dim3(1),
         reinterpret_cast<const T*>(logits.data_ptr()), temperature.data_ptr<float>(), seed.data_ptr<int64_t>(),
         offset.data_ptr<int64_t>(), part.data_ptr<float>(), vocab);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sample_merge_kernel<T><<<bsz, 32, 0, stream>>>(reinterpret_cast<const T*>(logits.data_ptr()),
-                                                   temperature.data_ptr<float>(), part.data_ptr<float>(), splits,
-                                                   vocab, tokens.data_ptr<int64_t>(), logprobs.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    filtered_sample_kernel<T><<<bsz, kThreads, 0, stream>>>(
+    launch_pdl(sample_merge_kernel<T>, dim3(bsz), dim3(32), stream, dim3(1),
+               reinterpret_cast<const T*>(logits.data_ptr()), temperature.data_ptr<float>(), part.data_ptr<float>(),
+               splits, vocab, tokens.data_ptr<int64_t>(), logprobs.data_ptr<float>());
+    launch_pdl(filtered_sample_kernel<T>, dim3(bsz), dim3(kThreads), stream, dim3(1),
         reinterpret_cast<const T*>(logits.data_ptr()), temperature.data_ptr<float>(), top_k.data_ptr<int64_t>(),
         top_p.data_ptr<float>(), seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), tokens.data_ptr<int64_t>(),
         logprobs.data_ptr<float>(), vocab);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {tokens, logprobs};
 }

@@ -13,7 +13,7 @@ from . import reference
 from .extension import has_native
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
-MAX_GEMV_ROWS = 16  # beyond this cuBLAS reads the weights once for all rows as well
+MAX_GEMV_ROWS = 64  # decode batches (the engine's graph buckets); longer inputs (prefill, training) go to cuBLAS
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True) -> bool:

@@ -18,13 +18,14 @@ pytestmark = pytest.mark.gpu
 # one output rounding (2^-8 bf16, 2^-11 fp16) plus fp32 accumulation-order noise
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
-BATCHES = [1, 2, 7, 16]
+BATCHES = [1, 2, 7, 16, 33, 64]  # CUDA-core path <= 4 rows, tensor-core path with 1, 2, 4 and 8 row groups
 # (name, K, [N_i]) -- real Qwen3.5-4B / 0.8B decode shapes plus odd sizes
 PROJ_SHAPES = {
     "4b_gate_up": (2560, [9216, 9216]), "4b_gdn_in": (2560, [8192, 4096, 32, 32]),
     "4b_qkv": (2560, [8192, 1024, 1024]), "4b_o_proj": (4096, [2560]), "4b_down": (9216, [2560]),
     "08b_gate_up": (1024, [3584, 3584]), "08b_gdn_in": (1024, [6144, 2048, 16, 16]),
     "08b_qkv": (1024, [4096, 512, 512]), "odd": (72, [37, 5, 3, 11]),
+    "odd_long_k": (4104, [37, 5, 3, 11]),  # a partial last k block, tiles across weights, 8 K slices
 }
 
 
@@ -38,6 +39,15 @@ def rel_err(got, want):
     got, want = got.float(), want.float()
     assert not torch.isnan(got).any(), "an output element was never written (NaN poison survived)"
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def assert_every_element(got, want, dtype):
+    """Each element within its own rounding plus 4x the tolerance of the tensor's RMS: a few wrong elements
+    (a tile or a K slice left out) cannot hide in a norm."""
+    got, want = got.float(), want.float()
+    rms = want.pow(2).mean().sqrt()
+    worst = ((got - want).abs() - TOL[dtype] * want.abs()).max()
+    assert worst <= 4 * TOL[dtype] * rms, f"an element is off by {worst.item():.3g} (RMS {rms.item():.3g})"
 
 
 def poison(*shapes, dtype):
@@ -78,13 +88,16 @@ def test_projection_family(shape, batch, dtype):
     for g, w in zip(got, want):
         assert g.dtype == dtype and g.shape == w.shape
         assert rel_err(g, w) < TOL[dtype]
+        assert_every_element(g, w, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 7, 16, 40])
 def test_linear_more_rows_than_one_launch(batch, dtype):
     x, w, b = randn(batch, 3, 128, dtype=dtype), randn(300, 128, dtype=dtype, scale=0.1), randn(300, dtype=dtype)
-    assert rel_err(torch.ops.segki.linear(x, w, b), R.linear(*f32(x, w, b))) < TOL[dtype]
+    got, want = torch.ops.segki.linear(x, w, b), R.linear(*f32(x, w, b))
+    assert rel_err(got, want) < TOL[dtype]
+    assert_every_element(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
