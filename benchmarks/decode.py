@@ -161,7 +161,7 @@ def main() -> None:
     cols = ["model", "system", "batch", "mode", "decode_tok_s", "step_ms", "pct_roofline", "capture_s", "warmup_s",
             "path", "error"]
     header = (f"# Decode throughput (bf16, prompt {PROMPT}, {NEW} new tokens, {torch.cuda.get_device_name()}, "
-              f"copy bandwidth {bw:.0f} GB/s)\n\nCommand: `python benchmarks/decode.py --out benchmarks/results`")
+              f"copy bandwidth {bw:.0f} GB/s)\n\nCommand: `python benchmarks/decode.py {' '.join(sys.argv[1:])}`")
     write_results(args.out, "decode", rows, cols, header)
     plot(rows, args.out)
     print("\n".join(open(args.out / "decode.md").read().splitlines()[4:]))

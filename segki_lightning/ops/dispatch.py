@@ -13,7 +13,10 @@ from . import reference
 from .extension import has_native
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
-MAX_GEMV_ROWS = 64  # decode batches (the engine's graph buckets); longer inputs (prefill, training) go to cuBLAS
+# Rows up to which the decode GEMV family runs natively; beyond, cuBLAS (which also reads each weight once).
+# Measured on the H200 (benchmarks/results/kernels.md): at 32 rows the tensor-core path is slower than the
+# cuBLAS composition on every Qwen3.5-4B shape (0.54-0.90x), so it stays at 16.
+MAX_GEMV_ROWS = 16
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True) -> bool:
