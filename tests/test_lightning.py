@@ -111,7 +111,7 @@ def test_colocation_contract(tmp_path):
     assert not any("forward" in m.__dict__ for m in module.policy.modules())
 
 
-def test_checkpoint_keys_equal_a_plain_run_and_resume_continues(tmp_path):
+def test_checkpoint_keys_equal_a_plain_run_and_resume_equals_an_uninterrupted_run(tmp_path):
     a, b = tmp_path / "segki", tmp_path / "plain"
     run(small(a, "checkpoint.every_n_train_steps=1"))
     run(small(b, "rollout.use_segki=false", "rollout.graph_capture=false"))
@@ -126,6 +126,16 @@ def test_checkpoint_keys_equal_a_plain_run_and_resume_continues(tmp_path):
     resumed = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == 4
     assert next(v for k, v in resumed["callbacks"].items() if "SegKICallback" in k)["rollouts"] == 4
+    # 2 steps + resume + 2 steps == 4 steps in one go, bit for bit: policy, optimizer moments, data order and
+    # the rollouts' sampling seeds all continue where they stopped
+    straight = tmp_path / "straight"
+    run(small(straight, "trainer.max_steps=4", "checkpoint.every_n_train_steps=1"))
+    want = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)
+    for key, value in want["state_dict"].items():
+        assert torch.equal(resumed["state_dict"][key], value), key
+    got_opt, want_opt = resumed["optimizer_states"][0]["state"], want["optimizer_states"][0]["state"]
+    for i, st in want_opt.items():
+        assert all(torch.equal(got_opt[i][name], v) for name, v in st.items() if torch.is_tensor(v)), i
 
 
 def test_export_reloads_with_from_pretrained(tmp_path):
