@@ -31,15 +31,14 @@ def build_policy(cfg):
 
 
 def build_data(cfg):
-    from torch.utils.data import DataLoader
-
+    from .rl.loader import ResumableLoader
     from .rl.task import PromptFile, SyntheticAddition, collate
 
     ds = (PromptFile(cfg.task.path, cfg.task.prompt_column) if cfg.task.path
           else SyntheticAddition(cfg.task.size, cfg.task.seed))
     gen = torch.Generator().manual_seed(cfg.task.seed)
-    return DataLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=True, drop_last=True, collate_fn=collate,
-                      generator=gen)
+    return ResumableLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=True, drop_last=True, collate_fn=collate,
+                           generator=gen)
 
 
 def build_loggers(cfg, root: str):

@@ -111,7 +111,7 @@ def test_colocation_contract(tmp_path):
     assert not any("forward" in m.__dict__ for m in module.policy.modules())
 
 
-def test_checkpoint_keys_equal_a_plain_run_and_resume_equals_an_uninterrupted_run(tmp_path):
+def test_checkpoint_keys_equal_a_plain_run_and_resume_continues(tmp_path):
     a, b = tmp_path / "segki", tmp_path / "plain"
     run(small(a, "checkpoint.every_n_train_steps=1"))
     run(small(b, "rollout.use_segki=false", "rollout.graph_capture=false"))
@@ -126,11 +126,23 @@ def test_checkpoint_keys_equal_a_plain_run_and_resume_equals_an_uninterrupted_ru
     resumed = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == 4
     assert next(v for k, v in resumed["callbacks"].items() if "SegKICallback" in k)["rollouts"] == 4
-    # 2 steps + resume + 2 steps == 4 steps in one go, bit for bit: policy, optimizer moments, data order and
-    # the rollouts' sampling seeds all continue where they stopped
-    straight = tmp_path / "straight"
-    run(small(straight, "trainer.max_steps=4", "checkpoint.every_n_train_steps=1"))
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path):
+    """2 steps + resume + 2 steps == 4 steps in one go, bit for bit: policy, optimizer moments, data order and the
+    rollouts' sampling seeds all continue where they stopped. A reward that random completions often earn (a
+    letter a-m anywhere) keeps the advantages, hence the updates, non-zero."""
+    reward = "rewards.0.fn.pattern='.*[a-m].*'"
+    a, straight = tmp_path / "resumed", tmp_path / "straight"
+    run(small(a, "checkpoint.every_n_train_steps=1", reward))
+    at_two = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    run(small(a, f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}", "trainer.max_steps=4",
+              "checkpoint.every_n_train_steps=1", reward))
+    run(small(straight, "trainer.max_steps=4", "checkpoint.every_n_train_steps=1", reward))
+    resumed = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)
     want = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)
+    assert resumed["global_step"] == want["global_step"] == 4
+    assert any(not torch.equal(at_two[k], v) for k, v in resumed["state_dict"].items()), "steps 3-4 changed nothing"
     for key, value in want["state_dict"].items():
         assert torch.equal(resumed["state_dict"][key], value), key
     got_opt, want_opt = resumed["optimizer_states"][0]["state"], want["optimizer_states"][0]["state"]
