@@ -3,6 +3,7 @@
 #   build   python -m segki_lightning.ops.build                  (the extension, JIT cache)
 #   tests   pytest tests/gpu                                     (gpu_tests.log)
 #   kernels benchmarks/kernels.py                                (kernels.json/md)
+#   nopdl   benchmarks/kernels.py with SEGKI_PDL=0 (launch-order A/B) (no_pdl/kernels.json/md)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU       (grpo_gpu/)
@@ -20,6 +21,8 @@ for stage in "${stages[@]}"; do
     build)   python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 error "$out/build.log"; exit 1; } ;;
     tests)   python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
     kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
+    nopdl)   SEGKI_PDL=0 python3 benchmarks/kernels.py --out "$out/no_pdl" --batches 1 16 > "$out/nopdl.log" 2>&1
+             tail -30 "$out/nopdl.log" | cut -c1-110 ;;
     decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
              tail -32 "$out/decode.log" | cut -c1-160 ;;
     profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;
