@@ -19,15 +19,19 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 MAX_GEMV_ROWS = 16
 
 
-def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True) -> bool:
+def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True,
+             strided_first: bool = False) -> bool:
     """Whether ``torch.ops.segki.<op>`` may run on these tensors: all CUDA, contiguous and of one half
     dtype (None entries are absent optional inputs), no autograd recording, at most ``max_rows`` rows of
-    the first tensor, and the op's own shape limits (``shape_ok``)."""
+    the first tensor, and the op's own shape limits (``shape_ok``). ``strided_first``: the caller copies the
+    first tensor to contiguous memory itself, so its layout does not matter."""
     present = [t for t in tensors if t is not None]
     first = present[0]
     if not shape_ok or first.device.type != "cuda" or first.dtype not in NATIVE_DTYPES:
         return False
-    if any(t.device != first.device or t.dtype != first.dtype or not t.is_contiguous() for t in present):
+    if any(t.device != first.device or t.dtype != first.dtype for t in present):
+        return False
+    if any(not t.is_contiguous() for t in present[1 if strided_first else 0:]):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
@@ -76,9 +80,10 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
-    """See :func:`reference.rms_norm`."""
-    if eligible("rms_norm", x, weight, shape_ok=x.shape[-1] % 8 == 0):
-        return _native("rms_norm")(x, weight, eps, unit_offset)
+    """See :func:`reference.rms_norm`. A strided view (Qwen3.5's q_norm gets half of each q_proj row) is
+    copied once for the native kernel rather than sent through the ~10-kernel reference composition."""
+    if eligible("rms_norm", x, weight, shape_ok=x.shape[-1] % 8 == 0, strided_first=True):
+        return _native("rms_norm")(x.contiguous(), weight, eps, unit_offset)
     return reference.rms_norm(x, weight, eps, unit_offset)
 
 

@@ -114,6 +114,23 @@ def test_rms_norm_and_residual_add(rows, h, unit_offset, dtype):
     assert rel_err(normed, want_normed) < TOL[dtype]
 
 
+def test_rms_norm_of_a_strided_view_takes_the_native_kernel():
+    """Qwen3.5's q_norm input is the first half of each q_proj row: a view, copied once for the kernel."""
+    from segki_lightning import ops
+
+    b, heads, d = 3, 16, 256
+    q_and_gate = randn(b, 1, heads, 2 * d, dtype=torch.bfloat16)
+    q = torch.chunk(q_and_gate, 2, dim=-1)[0]                            # [B, 1, H, D], row stride 2D
+    w = randn(d, dtype=torch.bfloat16, scale=0.3)
+    assert not q.is_contiguous()
+    assert dispatch.eligible("rms_norm", q, w, strided_first=True)
+    with torch.no_grad():
+        got = ops.rms_norm(q, w, 1e-6, True)
+    assert got.shape == q.shape
+    assert torch.equal(got, torch.ops.segki.rms_norm(q.contiguous(), w, 1e-6, True))
+    assert rel_err(got, R.rms_norm(q, w, 1e-6, True)) < TOL[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("hq,hkv,d,s", [(16, 4, 256, 600), (8, 2, 256, 129), (8, 8, 128, 300), (4, 1, 64, 33)])
