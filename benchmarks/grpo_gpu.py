@@ -44,6 +44,7 @@ def write_checkpoint(folder: Path) -> None:
 
 
 def run_recipe(ckpt: Path, run_dir: Path, mode: str, devices: int, args) -> tuple[int, float, str]:
+    """Run the recipe in its own process; its command line and output go to ``args.out/<run>.log``."""
     on = SWITCHES[mode]
     cmd = [sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo", "model=pretrained",
            f"model.pretrained={ckpt}", "trainer=gpu", f"trainer.devices={devices}",
@@ -54,7 +55,8 @@ def run_recipe(ckpt: Path, run_dir: Path, mode: str, devices: int, args) -> tupl
            "checkpoint.save_last=false", "checkpoint.every_n_train_steps=100000", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir.parent)
-    (run_dir.parent / f"{run_dir.name}.log").write_text(" ".join(cmd) + "\n\n" + proc.stdout + proc.stderr)
+    log = " ".join(cmd) + "\n\n" + proc.stdout + proc.stderr
+    (args.out / f"{run_dir.name}.log").write_text(log[-200_000:])
     return proc.returncode, time.perf_counter() - t0, proc.stderr[-2000:]
 
 
@@ -107,10 +109,9 @@ def main() -> None:
                     r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1)))
                 else:
                     r["error"] = err
-                (args.out / f"{name}.log").write_text((run_dir.parent / f"{name}.log").read_text()[-200_000:])
                 rows.append(r)
                 print(json.dumps(r), flush=True)
-    base = {(r["devices"]): r for r in rows if r["mode"] == "off" and "rollout_tok_s" in r}
+    base = {r["devices"]: r for r in rows if r["mode"] == "off" and "rollout_tok_s" in r}
     one_gpu = {r["mode"]: r for r in rows if r["devices"] == 1 and "rollout_tok_s" in r}
     for r in rows:
         if "rollout_tok_s" not in r:
