@@ -7,6 +7,8 @@ The recurrent state is ``[B, Hv, Dk, Dv]`` fp32.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -69,14 +71,18 @@ def gdn_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Ten
     time) by transformers' pure-torch implementation: differentiable and a few hundred kernels per layer
     instead of ~10 per token, so it is what training runs when no fused kernel can do the backward.
     Shapes as :func:`gdn_recurrence`; returns ``out [B, T, Hv, Dv]`` in ``v.dtype``."""
+    out, _ = _torch_chunk_rule()(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    return out.to(v.dtype)
+
+
+@functools.cache
+def _torch_chunk_rule():
+    """transformers' undecorated torch function (its decorator would pick flash-linear-attention when installed)."""
     import inspect
 
     from transformers.models.qwen3_5 import modeling_qwen3_5
 
-    # the undecorated torch function (the decorator would pick flash-linear-attention when installed)
-    torch_rule = inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
-    out, _ = torch_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-    return out.to(v.dtype)
+    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
 
 
 def gdn_decode_step(
