@@ -33,8 +33,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ lengths,
     float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int hq, int hkv, int s_max,
     int g, float scale) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   constexpr int E = D / 32;
   const int split = blockIdx.x, splits = gridDim.x, kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -123,8 +122,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
 template <typename T, int D>
 __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_m,
                                     const float* __restrict__ part_l, T* __restrict__ out, int hq, int splits) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const size_t o = ((size_t)b * hq + h) * splits;
   float mm = -INFINITY;

@@ -137,6 +137,12 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// For kernels with nothing to do before their inputs exist: let the next kernel launch, then wait.
+__device__ __forceinline__ void pdl_start() {
+  pdl_launch_dependents();
+  pdl_wait();
+}
+
 // The warp prefetches `rows` rows of a row-major [*, ld] half matrix, columns [k0, k1), into L2.
 template <typename T>
 __device__ __forceinline__ void prefetch_rows_l2(const T* p, int rows, size_t ld, int k0, int k1) {

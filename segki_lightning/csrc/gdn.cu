@@ -17,8 +17,7 @@ constexpr int kMaxWidth = 8;
 template <typename T>
 __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_state, const T* __restrict__ w,
                                 const T* __restrict__ bias, T* __restrict__ mixed, int c_total, int width) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (c >= c_total) return;
   T* st = conv_state + ((size_t)b * c_total + c) * width;
@@ -43,8 +42,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias, bool gates_fp32,
     const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();

@@ -13,8 +13,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
                                                             const T* __restrict__ w, T* __restrict__ out,
                                                             T* __restrict__ new_res, int h, float eps,
                                                             bool unit_offset) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * h;

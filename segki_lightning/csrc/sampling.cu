@@ -65,8 +65,7 @@ template <typename T>
 __global__ void __launch_bounds__(kSplitThreads) sample_split_kernel(
     const T* __restrict__ logits, const float* __restrict__ temperature, const int64_t* __restrict__ seed,
     const int64_t* __restrict__ offset, float* __restrict__ part, int vocab) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   __shared__ Best best_scratch[32];
   const int split = blockIdx.x, splits = gridDim.x, b = blockIdx.y;
@@ -125,8 +124,7 @@ template <typename T>
 __global__ void sample_merge_kernel(const T* __restrict__ logits, const float* __restrict__ temperature,
                                     const float* __restrict__ part, int splits, int vocab,
                                     int64_t* __restrict__ tokens, float* __restrict__ logprobs) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   const int b = blockIdx.x, lane = threadIdx.x;
   Best top{-INFINITY, INT_MAX}, pick{-INFINITY, INT_MAX};
   for (int s = lane; s < splits; s += 32) {
@@ -161,8 +159,7 @@ __global__ void __launch_bounds__(kThreads) filtered_sample_kernel(
     const T* __restrict__ logits, const float* __restrict__ temperature, const int64_t* __restrict__ top_k,
     const float* __restrict__ top_p, const int64_t* __restrict__ seed, const int64_t* __restrict__ offset,
     int64_t* __restrict__ tokens, float* __restrict__ logprobs, int vocab) {
-  pdl_launch_dependents();
-  pdl_wait();  // everything below reads what earlier kernels wrote
+  pdl_start();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   __shared__ Best best_scratch[32];
   const int b = blockIdx.x;
