@@ -7,6 +7,7 @@ achieved GB/s over the bytes each op must move and % of the measured copy bandwi
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbps, graph_time_us, write_results  # noqa: E402
 
+from segki_lightning import ops  # noqa: E402
 from segki_lightning.ops import reference as R  # noqa: E402
+from segki_lightning.ops.dispatch import MAX_GEMV_ROWS  # noqa: E402
 from segki_lightning.ops.extension import native_ops  # noqa: E402
 
 DT = torch.bfloat16
@@ -101,6 +104,34 @@ def bench_attention(model, valid, cache, bw):
                graph_time_us([lambda: R.decode_attention(q, k, v, lengths, d**-0.5)], calls=8), bw)
 
 
+def bench_attention_prologue(model, batch, bw):
+    """q/k norm + partial RoPE + cache write of one attention layer (Qwen3.5: gated, R = D / 4) against the
+    torch composition the model's attention code runs for the same step."""
+    _, _, _, (hq, hkv, d), _ = MODELS[model]
+    r, s = d // 4, 4096
+    q, k, v = rand(batch, 2 * hq * d), rand(batch, hkv * d), rand(batch, hkv * d)
+    cos, sin, qw, kw = rand(batch, r), rand(batch, r), rand(d, scale=0.3), rand(d, scale=0.3)
+    kc, vc = rand(batch, hkv, s, d), rand(batch, hkv, s, d)
+    pos = torch.randint(0, s, (batch,), device="cuda")
+    a = (q, k, v, cos, sin, qw, kw, kc, vc, pos, 1e-6, True, True)
+    moved = nbytes(q, k, v) + 2 * nbytes(k) + batch * hq * d * 2
+    return row(model, "attention_prologue (q/k norm, RoPE, cache write)", batch, moved,
+               graph_time_us([lambda: torch.ops.segki.attention_prologue(*a)]),
+               graph_time_us([lambda: R.attention_prologue(*a)]), bw)
+
+
+def bench_mlp_front_beyond_gemv(model, batch, bw):
+    """Past MAX_GEMV_ROWS: two cuBLAS products + silu_mul (what dispatch runs) vs the reference composition."""
+    h, inter = MODELS[model][:2]
+    x = rand(batch, h)
+    sets = [[rand(inter, h, scale=h**-0.5) for _ in range(2)] for _ in range(copies_for(2 * inter * h * 2))]
+    moved = nbytes(x, *sets[0]) + batch * inter * 2
+    with torch.no_grad():
+        return row(model, "gate_up (cuBLAS + silu_mul)", batch, moved,
+                   graph_time_us([lambda w=w: ops.gated_mlp_front(x, *w) for w in sets]),
+                   graph_time_us([lambda w=w: R.gated_mlp_front(x, *w) for w in sets]), bw)
+
+
 def bench_gdn(model, batch, bw):
     h, _, (hk, hv, dk, dv), _, _ = MODELS[model]
     c = 2 * hk * dk + hv * dv
@@ -141,7 +172,10 @@ def main() -> None:
             for name, (k, ns) in proj_cases(model).items():
                 rows.append(bench_projection(model, name, k, ns, batch, bw))
                 print(rows[-1], flush=True)
+            if batch > MAX_GEMV_ROWS:
+                rows.append(bench_mlp_front_beyond_gemv(model, batch, bw))
             rows.append(bench_norm(model, batch, bw))
+            rows.append(bench_attention_prologue(model, batch, bw))
             rows.append(bench_gdn(model, batch, bw))
             for t in (0.0, 1.0):
                 rows.append(bench_sampling(model, batch, t, bw))
@@ -150,10 +184,12 @@ def main() -> None:
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
     cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup"]
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("SEGKI_PDL", "SEGKI_GEMV_PREFETCH") if k in os.environ)
     header = (f"# Kernel benchmark (bf16, CUDA-graph replays, median)\n\nCopy bandwidth {bw:.0f} GB/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"
-              f"Command: `python benchmarks/kernels.py --out benchmarks/results --batches {' '.join(map(str, args.batches))}`")
+              f"Command: `{env + ' ' if env else ''}python benchmarks/kernels.py --out benchmarks/results "
+              f"--batches {' '.join(map(str, args.batches))}`")
     write_results(args.out, "kernels", rows, cols, header)
     print("\n".join(open(args.out / "kernels.md").read().splitlines()[6:]))
 

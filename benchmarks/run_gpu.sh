@@ -4,6 +4,7 @@
 #   tests   pytest tests/gpu                                     (gpu_tests.log)
 #   kernels benchmarks/kernels.py                                (kernels.json/md)
 #   nopdl   benchmarks/kernels.py with SEGKI_PDL=0 (launch-order A/B) (no_pdl/kernels.json/md)
+#   prefetch benchmarks/kernels.py, batch 1, GEMV L2 warm-up off / 2 KB per row (prefetch_{0,2048}/)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU       (grpo_gpu/)
@@ -23,6 +24,10 @@ for stage in "${stages[@]}"; do
     kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
     nopdl)   SEGKI_PDL=0 python3 benchmarks/kernels.py --out "$out/no_pdl" --batches 1 16 > "$out/nopdl.log" 2>&1
              tail -30 "$out/nopdl.log" | cut -c1-110 ;;
+    prefetch) for b in 0 2048; do
+                SEGKI_GEMV_PREFETCH=$b python3 benchmarks/kernels.py --out "$out/prefetch_$b" --batches 1 > "$out/prefetch_$b.log" 2>&1
+                grep -E "proj|linear" "$out/prefetch_$b/kernels.md" | cut -c1-100
+              done ;;
     decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
              tail -32 "$out/decode.log" | cut -c1-160 ;;
     profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;

@@ -3,6 +3,7 @@ checkpoints, reversible, idempotent, live weights, structural skips."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -124,6 +125,7 @@ def test_report_counts_every_segment_of_tiny_qwen35(tmp_path):
     assert report.found["gated_mlp"] == report.replaced["gated_mlp"] == 4
     assert report.found["gdn"] == report.replaced["gdn"] == 3
     assert report.found["attention_qkv"] == report.replaced["attention_qkv"] == 1
+    assert report.found["attention"] == report.replaced["attention"] == 1  # its decode probe passed
     assert report.replaced["decoder_layer"] == 4
     # 2 per layer + final norm + q_norm/k_norm of the attention layer; GDN's gated norm is part of "gdn"
     assert report.replaced["rms_norm"] == 11
@@ -178,6 +180,31 @@ def test_verification_rejects_a_layer_that_is_not_plain_pre_norm(tmp_path):
     assert report.replaced["decoder_layer"] == 0
     assert all("verification failed" in why for _, why in report.skipped["decoder_layer"])
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama", "qwen3", "gemma"])
+def test_attention_decode_is_replaced_only_where_its_probe_agrees(family, tmp_path):
+    """The structure cannot show the RoPE form or what happens at a one-token step; the decode probe can.
+    Here the model's attention behaves differently only for one-token steps on a cache: the owner check
+    (a full-sequence call) passes, the decode probe must not, and the original forward stays."""
+    model = build_model(family, tmp_path)
+    attn_type = type(model.model.layers[-1].self_attn)
+
+    class DecodeDiffers(attn_type):
+        @functools.wraps(attn_type.forward)  # same signature as the model's own
+        def forward(self, hidden_states, *args, **kwargs):
+            out, weights = super().forward(hidden_states, *args, **kwargs)
+            return (out * 1.5 if hidden_states.shape[1] == 1 else out), weights
+
+    control = build_model(family, tmp_path)
+    assert apply_segment_ki(control).replaced["attention"] == len(control.model.layers) - (3 if family == "qwen3_5" else 0)
+    for layer in model.model.layers:
+        if hasattr(layer, "self_attn"):
+            layer.self_attn.__class__ = DecodeDiffers
+    report = apply_segment_ki(model)
+    assert report.replaced["attention"] == 0 and report.found["attention"] >= 1
+    assert all("verification failed" in why for _, why in report.skipped["attention"]), report.skipped["attention"]
+    assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers if hasattr(layer, "self_attn"))
 
 
 def test_unknown_kind_is_a_clear_error(tmp_path):

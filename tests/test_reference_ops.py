@@ -212,3 +212,39 @@ def test_top_k_top_p_keep_the_same_tokens_as_transformers_warpers(top_k, top_p):
     seen = torch.zeros(12, dtype=torch.bool)
     seen[tokens.unique()] = True
     assert torch.equal(seen, keep)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_prologue_is_qwen35_attention_code_exactly(dtype):
+    """q/k norm, partial rotate-half RoPE and the cache write as Qwen3.5's attention forward does them,
+    from the same q_proj/k_proj/v_proj outputs, bit for bit; the gate is applied after attention."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, apply_rotary_pos_emb
+
+    b, hq, hkv, d, r, s = 3, 4, 2, 16, 4, 9
+    q_and_gate, k, v = rand(b, hq * 2 * d, dtype=dtype), rand(b, hkv * d, dtype=dtype), rand(b, hkv * d, dtype=dtype)
+    angles = torch.rand(b, 1, r // 2) * 20
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))   # [B, 1, R]
+    q_norm, k_norm = Qwen3_5RMSNorm(d, eps=1e-6), Qwen3_5RMSNorm(d, eps=1e-6)
+    for n in (q_norm, k_norm):
+        n.weight.data = rand(d, scale=0.3)
+        n.to(dtype)
+    positions = torch.randint(0, s, (b,))
+    k_cache, v_cache = rand(b, hkv, s, d, dtype=dtype), rand(b, hkv, s, d, dtype=dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+
+    query, gate = torch.chunk(q_and_gate.view(b, 1, hq, 2 * d), 2, dim=-1)          # the model's own code
+    query = q_norm(query).transpose(1, 2)
+    key = k_norm(k.view(b, 1, hkv, d)).transpose(1, 2)
+    query, key = apply_rotary_pos_emb(query, key, cos, sin)
+    rows = torch.arange(b)
+    want_k[rows, :, positions] = key[:, :, 0]
+    want_v[rows, :, positions] = v.view(b, hkv, d)
+
+    got = R.attention_prologue(q_and_gate, k, v, cos[:, 0], sin[:, 0], q_norm.weight, k_norm.weight, k_cache,
+                               v_cache, positions, 1e-6, True, True)
+    assert torch.equal(got, query[:, :, 0])
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    lengths = positions + 1
+    attn = R.decode_attention(got, k_cache, v_cache, lengths, d**-0.5, gate.reshape(b, hq, d))
+    assert torch.equal(attn, R.decode_attention(got, k_cache, v_cache, lengths, d**-0.5)
+                       * torch.sigmoid(gate.reshape(b, hq, d)))

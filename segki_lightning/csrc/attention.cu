@@ -1,7 +1,12 @@
 // Decode attention (flash-decoding): one query token per row against a KV cache with per-row valid
 // lengths read on the device. Pass 1 splits each row's valid prefix [0, len) evenly over a fixed number of
 // blocks per KV head (so the grid is static for graph capture, and time follows len, not the cache size);
-// each block serves all G query heads of its KV head and keeps an online softmax. Pass 2 merges the splits.
+// each block serves all G query heads of its KV head and keeps an online softmax. Pass 2 merges the splits
+// and applies Qwen3.5's sigmoid output gate when one is given.
+//
+// The prologue kernel does what the model's attention code does between the projections and attention for
+// one new token: per-head q/k RMSNorm, rotary embedding on the first R features, key and value written into
+// the cache at the row's position -- one launch instead of ~20 small torch kernels per layer and step.
 #include "common.cuh"
 
 namespace segki {
@@ -118,10 +123,13 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
   }
 }
 
-// grid (Hq, B), D threads: out = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}.
+// grid (Hq, B), D threads: out = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}, times sigmoid(gate) when
+// a gate [B, Hq, D] (strides gate_sb, gate_sh; last dim contiguous) is given, with the roundings of the
+// unfused model (attention output and sigmoid each rounded to T, then their product).
 template <typename T, int D>
 __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_m,
-                                    const float* __restrict__ part_l, T* __restrict__ out, int hq, int splits) {
+                                    const float* __restrict__ part_l, T* __restrict__ out, int hq, int splits,
+                                    const T* __restrict__ gate, int64_t gate_sb, int64_t gate_sh) {
   pdl_start();  // everything below reads what earlier kernels wrote
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const size_t o = ((size_t)b * hq + h) * splits;
@@ -135,11 +143,80 @@ __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const fl
     ll += part_l[o + s] * c;
     aa += part_acc[(o + s) * D + d] * c;
   }
-  out[((size_t)b * hq + h) * D + d] = from_float<T>(aa / ll);
+  float y = aa / ll;
+  if (gate != nullptr) {
+    const float g = to_float<T>(gate[b * gate_sb + h * gate_sh + d]);
+    y = round_to<T>(y) * round_to<T>(1.f / (1.f + expf(-g)));
+  }
+  out[((size_t)b * hq + h) * D + d] = from_float<T>(y);
+}
+
+// ---- prologue. One warp per (row, head): heads [0, Hq) are queries, [Hq, Hq + Hkv) keys (whose warp also
+// copies the value row into the cache). Lane l holds features [l*E, (l+1)*E); RoPE's partner feature comes
+// through shared memory. Roundings follow the unfused model: norm output rounded to T, then each RoPE
+// product and their sum.
+template <typename T, int D>
+__global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
+    const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ cos,
+    const T* __restrict__ sin, const T* __restrict__ q_w, const T* __restrict__ k_w, T* __restrict__ kc,
+    T* __restrict__ vc, const int64_t* __restrict__ positions, T* __restrict__ query, int bsz, int hq, int hkv,
+    int s_max, int r, int q_head_stride, float eps, bool unit_offset) {
+  pdl_start();  // everything below reads what earlier kernels wrote
+  constexpr int E = D / 32;
+  __shared__ float feat[kWarps][D];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int heads = hq + hkv, item = blockIdx.x * kWarps + warp;
+  if (item >= bsz * heads) return;  // whole warps only: no block-wide barrier below
+  const int b = item / heads, h = item % heads;
+  const bool is_q = h < hq;
+  const int kvh = h - hq;
+  const T* src = is_q ? q + ((size_t)b * hq + h) * q_head_stride : k + ((size_t)b * hkv + kvh) * D;
+  const T* w = is_q ? q_w : k_w;
+  float f[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) f[e] = to_float<T>(src[lane * E + e]);
+  if (w != nullptr) {  // per-head RMSNorm, fp32 statistics
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) ss += f[e] * f[e];
+    const float inv = rsqrtf(warp_sum(ss) / D + eps);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float wf = to_float<T>(w[lane * E + e]);
+      f[e] = unit_offset ? round_to<T>(f[e] * inv * (1.f + wf)) : round_to<T>(wf * round_to<T>(f[e] * inv));
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) feat[warp][lane * E + e] = f[e];
+  __syncwarp();
+  const int half = r / 2;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {  // rotate-half RoPE on features [0, r)
+    const int i = lane * E + e;
+    if (i < r) {
+      const float c = to_float<T>(cos[(size_t)b * r + i]), s = to_float<T>(sin[(size_t)b * r + i]);
+      const float other = i < half ? -feat[warp][i + half] : feat[warp][i - half];
+      f[e] = round_to<T>(round_to<T>(__fmul_rn(f[e], c)) + round_to<T>(__fmul_rn(other, s)));
+    }
+  }
+  if (is_q) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) query[((size_t)b * hq + h) * D + lane * E + e] = from_float<T>(f[e]);
+    return;
+  }
+  const int64_t pos = positions[b];
+  if (pos < 0 || pos >= s_max) return;  // the caller keeps positions inside the cache
+  const size_t dst = (((size_t)b * hkv + kvh) * s_max + pos) * D;
+  const T* vr = v + ((size_t)b * hkv + kvh) * D;
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
+    kc[dst + lane * E + e] = from_float<T>(f[e]);
+    vc[dst + lane * E + e] = vr[lane * E + e];
+  }
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
-                            const at::Tensor& lengths, double scale) {
+                            const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& gate) {
   const char* op = "segki::decode_attention";
   check_cuda_half(q, op, "q", q.scalar_type());
   check_cuda_half(kc, op, "k_cache", q.scalar_type());
@@ -156,6 +233,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   TORCH_CHECK(lengths.is_cuda() && lengths.dim() == 1 && lengths.size(0) == bsz &&
                   (lengths.scalar_type() == at::kInt || lengths.scalar_type() == at::kLong),
               op, ": lengths must be a CUDA int32/int64 tensor [B]");
+  if (gate.has_value()) {
+    TORCH_CHECK(gate->is_cuda() && gate->scalar_type() == q.scalar_type() && gate->sizes() == q.sizes() &&
+                    gate->stride(2) == 1,
+                op, ": gate must be a CUDA ", q.scalar_type(), " tensor ", q.sizes(),
+                " whose last dimension is contiguous, got ", gate->sizes(), " with strides ", gate->strides());
+  }
   auto out = at::empty_like(q);
   if (bsz == 0) return out;
   c10::cuda::CUDAGuard guard(q.device());
@@ -176,7 +259,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
           part_m.data_ptr<float>(), part_l.data_ptr<float>(), hq, hkv, s_max, g, (float)scale);
       launch_pdl(attn_combine_kernel<T, DD>, dim3(hq, bsz), dim3(DD), stream, dim3(1),
           part_acc.data_ptr<float>(), part_m.data_ptr<float>(), part_l.data_ptr<float>(),
-          reinterpret_cast<T*>(out.data_ptr()), hq, splits);
+          reinterpret_cast<T*>(out.data_ptr()), hq, splits,
+          gate.has_value() ? reinterpret_cast<const T*>(gate->data_ptr()) : nullptr,
+          gate.has_value() ? gate->stride(0) : 0, gate.has_value() ? gate->stride(1) : 0);
     };
     auto by_g = [&](auto d_const) {
       if (g == 1) run(d_const, std::integral_constant<int, 1>{});
@@ -191,8 +276,65 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   return out;
 }
 
+at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                              const at::Tensor& sin, const c10::optional<at::Tensor>& q_w,
+                              const c10::optional<at::Tensor>& k_w, at::Tensor k_cache, at::Tensor v_cache,
+                              const at::Tensor& positions, double eps, bool unit_offset, bool gated) {
+  const char* op = "segki::attention_prologue";
+  const auto dt = q.scalar_type();
+  const std::initializer_list<const at::Tensor*> inputs = {&q, &k, &v, &cos, &sin, &k_cache, &v_cache};
+  for (const at::Tensor* t : inputs) check_cuda_half(*t, op, "input", dt);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+              ": caches must be [B, Hkv, S, D] of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int bsz = (int)k_cache.size(0), hkv = (int)k_cache.size(1), s_max = (int)k_cache.size(2);
+  const int d = (int)k_cache.size(3), qw = gated ? 2 * d : d;
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, op, ": head_dim must be 64, 128 or 256, got ", d);
+  TORCH_CHECK(q.dim() == 2 && q.size(0) == bsz && q.size(1) % qw == 0, op, ": q ", q.sizes(),
+              " must be [B, Hq*", qw, "] for B = ", bsz);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 2 && k.size(0) == bsz && k.size(1) == hkv * d, op, ": k ",
+              k.sizes(), " and v ", v.sizes(), " must be [", bsz, ", ", hkv * d, "]");
+  const int r = (int)cos.size(-1);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == bsz && r % 2 == 0 && r <= d, op,
+              ": cos/sin must be [B, R] with R even and <= ", d, ", got ", cos.sizes(), " and ", sin.sizes());
+  TORCH_CHECK(q_w.has_value() == k_w.has_value(), op, ": give both q and k norm weights or neither");
+  if (q_w.has_value()) {
+    check_cuda_half(*q_w, op, "q_norm weight", dt);
+    check_cuda_half(*k_w, op, "k_norm weight", dt);
+    TORCH_CHECK(q_w->numel() == d && k_w->numel() == d, op, ": norm weights must have head_dim = ", d, " elements");
+  }
+  TORCH_CHECK(positions.is_cuda() && positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                  positions.size(0) == bsz && positions.is_contiguous(),
+              op, ": positions must be a contiguous CUDA int64 tensor [", bsz, "]");
+  const int hq = (int)(q.size(1) / qw);
+  auto query = at::empty({bsz, hq, d}, q.options());
+  if (bsz == 0) return query;
+  c10::cuda::CUDAGuard guard(q.device());
+  const int blocks = (bsz * (hq + hkv) + kWarps - 1) / kWarps;
+  SEGKI_DISPATCH_HALF(dt, op, [&] {
+    auto run = [&](auto d_const) {
+      constexpr int DD = decltype(d_const)::value;
+      launch_pdl(attn_prologue_kernel<T, DD>, dim3(blocks), dim3(kWarps * 32), at::cuda::getCurrentCUDAStream(),
+          dim3(1), reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(k.data_ptr()),
+          reinterpret_cast<const T*>(v.data_ptr()), reinterpret_cast<const T*>(cos.data_ptr()),
+          reinterpret_cast<const T*>(sin.data_ptr()),
+          q_w.has_value() ? reinterpret_cast<const T*>(q_w->data_ptr()) : nullptr,
+          k_w.has_value() ? reinterpret_cast<const T*>(k_w->data_ptr()) : nullptr,
+          reinterpret_cast<T*>(k_cache.data_ptr()), reinterpret_cast<T*>(v_cache.data_ptr()),
+          positions.data_ptr<int64_t>(), reinterpret_cast<T*>(query.data_ptr()), bsz, hq, hkv, s_max, r, qw,
+          (float)eps, unit_offset);
+    };
+    if (d == 64) run(std::integral_constant<int, 64>{});
+    else if (d == 128) run(std::integral_constant<int, 128>{});
+    else run(std::integral_constant<int, 256>{});
+  });
+  return query;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(segki, CUDA, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("attention_prologue", &attention_prologue);
+}
 
 }  // namespace segki

@@ -12,7 +12,12 @@ TORCH_LIBRARY(segki, m) {
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale,"
+        " Tensor? gate=None) -> Tensor");
+  m.def("attention_prologue(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor? q_norm_w,"
+        " Tensor? k_norm_w, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, float eps,"
+        " bool unit_offset, bool gated) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("gdn_decode_step(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor(b!) recurrent_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight,"
         " float norm_eps, int num_k_heads, int head_k_dim, int head_v_dim) -> Tensor");

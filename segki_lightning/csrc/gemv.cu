@@ -14,6 +14,8 @@
 
 #include <cooperative_groups.h>
 
+#include <algorithm>
+
 namespace segki {
 namespace {
 
@@ -36,7 +38,20 @@ struct GemvArgs {
   T* out[kMaxW];         // [M, N_i]
   int n[kMaxW];
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
+  int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
 };
+
+// SEGKI_GEMV_PREFETCH=<bytes> limits the L2 warm-up before the PDL wait to the first <bytes> of each weight
+// row's K slice (0: none); unset warms the whole slice. A switch for measuring what the warm-up is worth.
+inline int prefetch_cols(size_t elem_size) {
+  static const long bytes = [] {
+    const char* v = std::getenv("SEGKI_GEMV_PREFETCH");
+    return v == nullptr ? -1L : std::max(0L, std::atol(v));
+  }();
+  return bytes < 0 ? -1 : (int)(bytes / (long)elem_size);
+}
+
+__device__ __forceinline__ int prefetch_end(int c0, int c1, int cols) { return cols < 0 ? c1 : min(c1, c0 + cols); }
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -134,7 +149,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
 
   pdl_launch_dependents();
   if (tile < total_tiles) {  // weights only (never written by a kernel of the step): warm L2, then wait
-    const int r = min(16, a.n[wi] - row0), c0 = kb0 * 32, c1 = min(a.k, kb1 * 32);
+    const int r = min(16, a.n[wi] - row0), c0 = kb0 * 32, c1 = prefetch_end(c0, min(a.k, kb1 * 32), a.prefetch_cols);
     prefetch_rows_l2(a.w[wi] + (size_t)row0 * a.k, r, a.k, c0, c1);
     if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row0 * a.k, r, a.k, c0, c1);
   }
@@ -244,8 +259,9 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
   }
   pdl_launch_dependents();
   if (item < total) {  // weights only: warm L2 while the previous kernel finishes, then wait for it
-    prefetch_rows_l2(a.w[wi] + (size_t)row * a.k, 1, a.k, k0, k1);
-    if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row * a.k, 1, a.k, k0, k1);
+    const int k1p = prefetch_end(k0, k1, a.prefetch_cols);
+    prefetch_rows_l2(a.w[wi] + (size_t)row * a.k, 1, a.k, k0, k1p);
+    if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row * a.k, 1, a.k, k0, k1p);
   }
   pdl_wait();
   float acc[NACC][MAXM] = {};
@@ -351,6 +367,7 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       a.m = (int)std::min<int64_t>(kMaxRowsPerLaunch, m - r0);
       a.k = (int)k;
       a.nw = (int)ws.size();
+      a.prefetch_cols = prefetch_cols(sizeof(T));
       for (int i = 0; i < a.nw; ++i) {
         a.w[i] = reinterpret_cast<const T*>(ws[i].data_ptr());
         a.bias[i] = (i < (int)biases.size() && biases[i].has_value())
@@ -397,9 +414,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj(
   return {o[0], o[1], o[2], o[3]};
 }
 
+// ---- SiLU(gate) * up for batches beyond the GEMV range, whose two products come from cuBLAS: one launch
+// instead of the five (two casts, silu, mul, cast back) of the fp32 reference. 8 elements per thread.
+template <typename T>
+__global__ void silu_mul_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out,
+                                int64_t n8) {
+  pdl_start();  // everything below reads what earlier kernels wrote
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+    float g[8], u[8];
+    unpack8<T>(ld_cached(gate + i * 8), g);
+    unpack8<T>(ld_cached(up + i * 8), u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    *reinterpret_cast<uint4*>(out + i * 8) = pack8<T>(g);
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  const char* op = "segki::silu_mul";
+  check_cuda_half(gate, op, "gate", gate.scalar_type());
+  check_cuda_half(up, op, "up", gate.scalar_type());
+  TORCH_CHECK(gate.sizes() == up.sizes(), op, ": gate ", gate.sizes(), " and up ", up.sizes(), " differ");
+  TORCH_CHECK(gate.numel() % 8 == 0, op, ": element count ", gate.numel(), " must be a multiple of 8");
+  auto out = at::empty_like(gate);
+  const int64_t n8 = gate.numel() / 8;
+  if (n8 == 0) return out;
+  c10::cuda::CUDAGuard guard(gate.device());
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int blocks = (int)std::min<int64_t>((n8 + 255) / 256, 8 * sms);
+  SEGKI_DISPATCH_HALF(gate.scalar_type(), op, [&] {
+    launch_pdl(silu_mul_kernel<T>, dim3(blocks), dim3(256), at::cuda::getCurrentCUDAStream(), dim3(1),
+               reinterpret_cast<const T*>(gate.data_ptr()), reinterpret_cast<const T*>(up.data_ptr()),
+               reinterpret_cast<T*>(out.data_ptr()), n8);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(segki, CUDA, m) {
+  m.impl("silu_mul", &silu_mul);
   m.impl("linear", &linear);
   m.impl("gated_mlp_front", &gated_mlp_front);
   m.impl("qkv_proj", &qkv_proj);

@@ -13,10 +13,12 @@ from torch import nn
 from .. import ops
 from . import forwards as fw
 from .report import KINDS, SegmentReport
-from .structure import (Mismatch, match_attention_qkv, match_decoder_layer, match_gated_mlp, match_gdn,
-                        match_rms_norm)
+from .structure import (Mismatch, match_attention, match_attention_qkv, match_decoder_layer, match_gated_mlp,
+                        match_gdn, match_rms_norm)
+from .verify_decode import attention_decode_error
 
 log = logging.getLogger("segki_lightning")
+_NEED_PROBE = ("decoder_layer", "attention")  # kept only when verified
 _SAVED = "_segki_saved_forward"
 _REPORT = "_segki_report"
 _OPS = {
@@ -24,6 +26,7 @@ _OPS = {
     "gdn": ("gdn_in_proj", "gdn_decode_step", "linear"),
     "attention_qkv": ("qkv_proj",),
     "rms_norm": ("rms_norm",),
+    "attention": ("qkv_proj", "attention_prologue", "decode_attention", "linear"),
     "decoder_layer": ("add_rms_norm",),
 }
 
@@ -68,14 +71,14 @@ def apply_segment_ki(model: nn.Module, kinds: Iterable[str] = KINDS, verify: boo
     owners = {s.owner for s in segments}
     recorded = _record(model, owners) if verify else {}
     if verify and recorded is None:
-        for s in [s for s in segments if s.kind == "decoder_layer"]:
+        for s in [s for s in segments if s.kind in _NEED_PROBE]:
             report.skip(s.kind, s.name, "could not run the verification probe")
             segments.remove(s)
         recorded = {}
     for s in segments:
         _install(s)
     for s in sorted(segments, key=lambda s: KINDS.index(s.kind)):  # leaves first, layers last
-        if s.owner in recorded and (err := _owner_error(s.owner, recorded[s.owner])) is not None:
+        if s.owner in recorded and (err := _segment_error(s, recorded[s.owner])) is not None:
             _uninstall(s)
             report.skip(s.kind, s.name, f"verification failed: relative error {err:.2e}")
         else:
@@ -121,6 +124,9 @@ def _detect(model: nn.Module, kinds: set[str], report: SegmentReport) -> list[_S
                 match_gated_mlp(m), _Segment("gated_mlp", name, m, [(m, fw.gated_mlp_forward, None)]))[1])
         elif all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj")):
             attempt("attention_qkv", name, m, lambda m=m, name=name: _qkv_segment(name, m))
+            if hasattr(m, "o_proj"):
+                attempt("attention", name, m, lambda m=m, name=name: _Segment(
+                    "attention", name, m, [(m, fw.attention_forward, match_attention(m, _current_forward(m)))]))
     for name, m in named:
         if m not in covered and _looks_like_norm(m):
             def build(m=m, name=name):
@@ -226,6 +232,22 @@ def _record(model: nn.Module, owners: set[nn.Module]) -> dict[nn.Module, tuple] 
         for h in handles:
             h.remove()
     return {m: v for m, v in seen.items() if len(v) == 3}
+
+
+def _segment_error(s: _Segment, record: tuple) -> float | None:
+    """The owner's output error on the recorded call and, for attention, the decode probe's error."""
+    err = _owner_error(s.owner, record)
+    if err is None and s.kind == "attention":
+        spec = s.installs[0][2]
+        tables = spec.signature.bind(*record[0], **record[1]).arguments.get("position_embeddings")
+        if tables is None:
+            return float("nan")
+        try:
+            err = attention_decode_error(s.owner, spec, tables)
+        except Exception as exc:  # a model whose attention code our probe cache cannot serve
+            log.warning("segki: attention decode probe failed on %s (%s)", s.name, exc)
+            return float("nan")
+    return err
 
 
 def _owner_error(owner: nn.Module, record: tuple) -> float | None:

@@ -78,6 +78,53 @@ def kv_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
     return out if out is not None else ops.linear(x, self.weight, self.bias)
 
 
+# ------------------------------------------------------------------------------- attention (decode)
+@dataclass
+class AttentionSpec:
+    """A softmax attention block whose decode step runs as: fused QKV, one prologue op (per-head q/k norm,
+    rotate-half RoPE, cache write), decode attention (with the sigmoid output gate of gated attention),
+    output projection. Anything but a one-token step on a cache that offers ``segki_attention_state`` goes
+    to the original forward."""
+
+    num_heads: int
+    head_dim: int
+    gated: bool               # q_proj yields [query | gate] per head (Qwen3.5)
+    norm: NormSpec | None     # the q_norm/k_norm form, None when the block has no q/k norms
+    scaling: float
+    signature: inspect.Signature  # of the original forward
+    original_forward: Any
+
+
+def attention_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    s: AttentionSpec = spec(self)
+    arguments = s.signature.bind(*args, **kwargs).arguments
+    x = next(iter(arguments.values()))
+    extra = next((v for n, v in arguments.items()
+                  if s.signature.parameters[n].kind is inspect.Parameter.VAR_KEYWORD), {})
+    cache = arguments.get("cache", extra.get("past_key_values"))
+    rope_tables = arguments.get("position_embeddings")
+    if hasattr(cache, "segki_attention_state") and x.shape[1] == 1 and rope_tables is not None:
+        return _attention_decode(self, s, x, rope_tables, *cache.segki_attention_state(self.layer_idx)), None
+    return s.original_forward(*args, **kwargs)
+
+
+def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables: tuple[Tensor, Tensor],
+                      k_cache: Tensor, v_cache: Tensor, positions: Tensor, lengths: Tensor) -> Tensor:
+    """``x [B, 1, H]`` -> ``[B, 1, H]``; the new key/value land in the caches at ``positions``, attention
+    reads ``[0, lengths[b])``."""
+    bsz, d = x.shape[0], s.head_dim
+    qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
+    q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias)  # [B, Hq*D(*2)] ...
+    cos, sin = (t.reshape(bsz, -1) for t in rope_tables)                                          # [B, R]
+    q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
+    eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
+    query = ops.attention_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset,
+                                   s.gated)                                                       # [B, Hq, D]
+    gate = q.view(bsz, s.num_heads, 2 * d)[..., d:] if s.gated else None                         # [B, Hq, D]
+    out = ops.decode_attention(query, k_cache, v_cache, lengths, s.scaling, gate)                 # [B, Hq, D]
+    return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias).view(bsz, 1, -1)
+
+
 # ------------------------------------------------------------------------------------ Gated DeltaNet
 @dataclass
 class GDNSpec:

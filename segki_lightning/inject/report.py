@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("gated_mlp", "gdn", "attention_qkv", "rms_norm", "decoder_layer")
+KINDS = ("gated_mlp", "gdn", "attention_qkv", "rms_norm", "attention", "decoder_layer")
 
 
 @dataclass

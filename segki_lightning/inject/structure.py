@@ -8,7 +8,7 @@ import inspect
 import torch
 from torch import nn
 
-from .forwards import GDNSpec, LayerSpec, NormSpec, QKVGroup
+from .forwards import AttentionSpec, GDNSpec, LayerSpec, NormSpec, QKVGroup
 
 MIXERS = ("self_attn", "linear_attn")
 
@@ -60,6 +60,45 @@ def match_attention_qkv(m: nn.Module) -> QKVGroup:
     for name in ("q_proj", "k_proj", "v_proj"):
         check_plain_linear(getattr(m, name), name, bias_ok=True)
     return QKVGroup(m.q_proj, m.k_proj, m.v_proj)
+
+
+ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"})
+
+
+def match_attention(m: nn.Module, original_forward) -> AttentionSpec:
+    """Softmax attention with separate q/k/v/o projections, optional per-head q/k RMSNorms, and optionally
+    Qwen3.5's output gate (q_proj twice as wide as o_proj's input). Whatever the structure cannot show
+    (RoPE form, scaling, gate semantics) the decode probe in :mod:`.verify_decode` checks."""
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        check_plain_linear(getattr(m, name, None), name, bias_ok=True)
+    extra = {n for n, _ in m.named_children()} - ATTENTION_CHILDREN
+    if extra:
+        raise Mismatch(f"submodules {sorted(extra)} beyond projections and q/k norms")
+    if list(m.parameters(recurse=False)):
+        raise Mismatch("has parameters of its own (e.g. attention sinks)")
+    if getattr(m, "sliding_window", None):
+        raise Mismatch("sliding-window attention")
+    d, scaling, layer_idx = (getattr(m, a, None) for a in ("head_dim", "scaling", "layer_idx"))
+    if not (isinstance(d, int) and isinstance(scaling, float) and isinstance(layer_idx, int)):
+        raise Mismatch("head_dim, scaling or layer_idx missing")
+    width = m.o_proj.in_features
+    if width % d or m.k_proj.out_features % d or m.k_proj.out_features != m.v_proj.out_features:
+        raise Mismatch("projection widths are not whole heads")
+    hq, hkv = width // d, m.k_proj.out_features // d
+    if m.q_proj.out_features not in (width, 2 * width) or hq % hkv:
+        raise Mismatch("q_proj is neither o_proj's input width nor twice it (gated), or Hq % Hkv != 0")
+    norms = [getattr(m, n, None) for n in ("q_norm", "k_norm")]
+    norm = None
+    if any(n is not None for n in norms):
+        if any(n is None or n.weight.shape != (d,) for n in norms):
+            raise Mismatch("q_norm/k_norm are not both per-head norms")
+        norm, k_spec = match_rms_norm(norms[0]), match_rms_norm(norms[1])
+        if norm != k_spec:
+            raise Mismatch("q_norm and k_norm differ in form or eps")
+    sig = inspect.signature(original_forward)
+    if "position_embeddings" not in sig.parameters:
+        raise Mismatch("forward takes no position_embeddings (RoPE inside the module)")
+    return AttentionSpec(hq, d, m.q_proj.out_features == 2 * width, norm, scaling, sig, original_forward)
 
 
 def match_gdn(m: nn.Module, original_forward) -> GDNSpec:

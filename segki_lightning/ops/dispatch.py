@@ -7,6 +7,7 @@ change: ineligible inputs take the reference.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import reference
@@ -61,6 +62,8 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     """See :func:`reference.gated_mlp_front`."""
     if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
+    if eligible("silu_mul", x, w_gate, w_up, shape_ok=w_gate.shape[0] % 8 == 0):  # more rows: cuBLAS products
+        return _native("silu_mul")(F.linear(x, w_gate), F.linear(x, w_up))
     return reference.gated_mlp_front(x, w_gate, w_up)
 
 
@@ -94,12 +97,27 @@ def add_rms_norm(x, residual, weight, eps: float, unit_offset: bool) -> tuple[Te
     return reference.add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
-def decode_attention(q, k_cache, v_cache, lengths, scale: float) -> Tensor:
-    """See :func:`reference.decode_attention`."""
+def decode_attention(q, k_cache, v_cache, lengths, scale: float, gate: Tensor | None = None) -> Tensor:
+    """See :func:`reference.decode_attention`. ``gate`` may be a strided view (half of each q_proj row)."""
     ok = q.shape[-1] in (64, 128, 256) and q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 8
-    if eligible("decode_attention", q, k_cache, v_cache, shape_ok=ok and lengths.is_cuda):
-        return _native("decode_attention")(q, k_cache, v_cache, lengths, scale)
-    return reference.decode_attention(q, k_cache, v_cache, lengths, scale)
+    ok = ok and lengths.is_cuda and (gate is None or (gate.shape == q.shape and gate.stride(-1) == 1))
+    if eligible("decode_attention", q, k_cache, v_cache, shape_ok=ok) and (gate is None or eligible(
+            "decode_attention", gate, q, strided_first=True)):
+        return _native("decode_attention")(q, k_cache, v_cache, lengths, scale, gate)
+    return reference.decode_attention(q, k_cache, v_cache, lengths, scale, gate)
+
+
+def attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps: float,
+                       unit_offset: bool, gated: bool) -> Tensor:
+    """See :func:`reference.attention_prologue`."""
+    d, r = k_cache.shape[-1], cos.shape[-1]
+    ok = (d in (64, 128, 256) and r % 2 == 0 and r <= d and positions.dtype == torch.int64 and positions.is_cuda
+          and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None))
+    if eligible("attention_prologue", q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, shape_ok=ok):
+        return _native("attention_prologue")(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions,
+                                             eps, unit_offset, gated)
+    return reference.attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps,
+                                        unit_offset, gated)
 
 
 def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias,

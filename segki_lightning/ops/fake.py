@@ -39,8 +39,19 @@ def _add_rms(x, res, w, eps, unit_offset):
 
 
 @torch.library.register_fake("segki::decode_attention")
-def _attn(q, k, v, lengths, scale):
+def _attn(q, k, v, lengths, scale, gate=None):
     return torch.empty_like(q)
+
+
+@torch.library.register_fake("segki::attention_prologue")
+def _attn_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset, gated):
+    b, d = k_cache.shape[0], k_cache.shape[-1]
+    return q.new_empty((b, q.shape[-1] // (2 * d if gated else d), d))
+
+
+@torch.library.register_fake("segki::silu_mul")
+def _silu_mul(gate, up):
+    return torch.empty_like(gate)
 
 
 @torch.library.register_fake("segki::gdn_decode_step")

@@ -3,7 +3,7 @@ layers, allocated once for (max_batch_size, max_seq_len) with per-row lengths on
 
 It speaks the parts of transformers' cache interface the decode forward uses (``update`` for attention
 layers; ``get_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``
-for Gated-DeltaNet layers) and ``segki_gdn_states`` for the fused step. Row b holds its tokens at
+for Gated-DeltaNet layers), and ``segki_attention_state`` / ``segki_gdn_states`` for the fused steps. Row b holds its tokens at
 positions ``[0, lengths[b])``; a decode step writes the new token at ``lengths[b]``.
 """
 from __future__ import annotations
@@ -111,6 +111,11 @@ class StaticHybridCache:
 
     def is_recording_past(self, layer_idx: int) -> bool:
         return False
+
+    def segki_attention_state(self, layer_idx: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For the fused attention decode: key and value buffers ``[B, Hkv, S, D]``, where this step's token
+        goes (``lengths [B]`` int64) and how many tokens attention reads (``attn_lengths [B]`` int32)."""
+        return self.keys[layer_idx], self.values[layer_idx], self.lengths, self.attn_lengths
 
     def segki_gdn_states(self, layer_idx: int) -> tuple[Tensor, Tensor]:
         return self.conv[layer_idx], self.recurrent[layer_idx]

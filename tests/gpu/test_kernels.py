@@ -147,6 +147,77 @@ def test_decode_attention(hq, hkv, d, s, batch, dtype):
     assert rel_err(torch.ops.segki.decode_attention(q, k, v, lengths, d**-0.5), want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 7, 33])
+def test_decode_attention_with_output_gate(batch, dtype):
+    """Qwen3.5's gate is the second half of each q_proj head: a strided view the kernel reads in place."""
+    hq, hkv, d, s = 16, 4, 256, 300
+    q_and_gate = randn(batch, hq, 2 * d, dtype=dtype)
+    q, gate = q_and_gate[..., :d].contiguous(), q_and_gate[..., d:]
+    k, v = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
+    lengths = torch.randint(1, s + 1, (batch,), device="cuda", dtype=torch.int32)
+    want = R.decode_attention(*f32(q, k, v), lengths, d**-0.5).to(dtype) * torch.sigmoid(gate)
+    poison((batch, hq, d), dtype=dtype)
+    got = torch.ops.segki.decode_attention(q, k, v, lengths, d**-0.5, gate)
+    assert rel_err(got, want) < TOL[dtype]
+    assert_every_element(got, want, dtype)
+
+
+# (Hq, Hkv, D, rotary R, gated, norm form: None = no q/k norm, True = 1 + w, False = w)
+PROLOGUE_SHAPES = {"4b": (16, 4, 256, 64, True, True), "08b": (8, 2, 256, 64, True, True),
+                   "llama": (8, 8, 128, 128, False, None), "qwen3": (4, 1, 64, 64, False, False)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("shape", list(PROLOGUE_SHAPES))
+def test_attention_prologue(shape, batch, dtype):
+    """Reference in the same dtype: its roundings (norm output, each RoPE product, their sum) are the spec,
+    so nearly every element is bit-equal; the rest differ by the fp32 sum-of-squares order."""
+    hq, hkv, d, r, gated, unit_offset = PROLOGUE_SHAPES[shape]
+    s = 40
+    q = randn(batch, hq * d * (2 if gated else 1), dtype=dtype)
+    k, v = randn(batch, hkv * d, dtype=dtype), randn(batch, hkv * d, dtype=dtype)
+    angles = torch.rand(batch, r // 2, device="cuda") * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    norms = (randn(d, dtype=dtype, scale=0.3), randn(d, dtype=dtype, scale=0.3)) if unit_offset is not None else (None, None)
+    k_cache, v_cache = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
+    positions = torch.randint(0, s, (batch,), device="cuda")
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want = R.attention_prologue(q, k, v, cos, sin, *norms, want_k, want_v, positions, 1e-6, bool(unit_offset), gated)
+    poison((batch, hq, d), dtype=dtype)
+    got = torch.ops.segki.attention_prologue(q, k, v, cos, sin, *norms, k_cache, v_cache, positions, 1e-6,
+                                             bool(unit_offset), gated)
+    assert torch.equal(v_cache, want_v)  # values are copied; every other cache position is untouched
+    written = torch.zeros(batch, s, dtype=torch.bool, device="cuda")
+    written[torch.arange(batch, device="cuda"), positions] = True
+    assert torch.equal(k_cache.transpose(1, 2)[~written], want_k.transpose(1, 2)[~written])
+    rows = torch.arange(batch, device="cuda")
+    for got_t, want_t in ((got, want), (k_cache[rows, :, positions], want_k[rows, :, positions])):
+        assert rel_err(got_t, want_t) < TOL[dtype]
+        assert_every_element(got_t, want_t, dtype)
+        assert (got_t == want_t).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [17, 64, 300])
+def test_silu_mul_beyond_the_gemv_rows(rows, dtype):
+    """Past MAX_GEMV_ROWS the MLP front is two cuBLAS products and one silu_mul launch; same roundings as
+    the reference (products rounded to the dtype, SiLU and product in fp32, one rounding)."""
+    from segki_lightning import ops
+
+    x = randn(rows, 1024, dtype=dtype)
+    wg, wu = randn(3584, 1024, dtype=dtype, scale=1024**-0.5), randn(3584, 1024, dtype=dtype, scale=1024**-0.5)
+    gate, up = x @ wg.T, x @ wu.T
+    poison((rows, 3584), dtype=dtype)
+    got = torch.ops.segki.silu_mul(gate, up)
+    want = R.silu_mul(gate, up)
+    assert rel_err(got, want) < TOL[dtype]
+    assert (got == want).float().mean() > 0.999
+    with torch.no_grad():
+        assert torch.equal(ops.gated_mlp_front(x, wg, wu), got)  # the dispatch takes exactly this path
+
+
 GDN_SHAPES = {"4b": (16, 32, 128, 128), "08b": (16, 16, 128, 128), "odd": (2, 6, 64, 96)}
 
 
@@ -208,12 +279,20 @@ def test_every_op_replays_inside_a_cuda_graph():
     logits = randn(b, 5000, dtype=dtype)
     sargs = sampling_args(b, 1.0, 20, 0.9)
     gdn = gdn_inputs(b, 2, 4, 128, 128, dtype)
+    gate = randn(b, 8, 256, dtype=dtype)[..., 128:]
+    qkv = randn(b, 8 * 256, dtype=dtype), randn(b, 2 * 128, dtype=dtype), randn(b, 2 * 128, dtype=dtype)
+    rope = randn(b, 64, dtype=dtype), randn(b, 64, dtype=dtype)
+    norms = randn(128, dtype=dtype, scale=0.3), randn(128, dtype=dtype, scale=0.3)
+    positions = torch.tensor([5, 0, 63, 20], device="cuda")
+    kc2, vc2 = kc.clone(), vc.clone()
 
     def step():
         return (torch.ops.segki.gated_mlp_front(x, wg, wu), torch.ops.segki.rms_norm(x, wg[0, :256], 1e-6, True),
-                torch.ops.segki.decode_attention(q, kc, vc, lengths, 128**-0.5),
+                torch.ops.segki.decode_attention(q, kc, vc, lengths, 128**-0.5, gate),
                 torch.ops.segki.sample_tokens(logits, *sargs)[0],
-                torch.ops.segki.gdn_decode_step(*gdn.values(), 1e-6, 2, 128, 128))
+                torch.ops.segki.gdn_decode_step(*gdn.values(), 1e-6, 2, 128, 128),
+                torch.ops.segki.attention_prologue(*qkv, *rope, *norms, kc2, vc2, positions, 1e-6, True, True),
+                torch.ops.segki.silu_mul(wg, wu))
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -224,8 +303,10 @@ def test_every_op_replays_inside_a_cuda_graph():
     with torch.cuda.graph(graph):
         outs = step()
     for _ in range(3):  # new inputs copied into the static buffers
-        for t in (x, q, kc, vc, logits):
+        for t in (x, q, kc, vc, logits, *qkv, *rope):
             t.copy_(torch.randn_like(t, dtype=torch.float32).to(dtype))
+        positions.copy_(torch.randint(0, 64, (b,), device="cuda"))
+        kc2_ref, vc2_ref = kc2.clone(), vc2.clone()
         lengths.copy_(torch.randint(1, 65, (b,), device="cuda"))
         sargs[4].add_(1)
         conv0, rec0 = gdn["conv_state"].clone(), gdn["recurrent_state"].clone()
@@ -233,10 +314,14 @@ def test_every_op_replays_inside_a_cuda_graph():
         graph.replay()
         assert rel_err(outs[0], R.gated_mlp_front(*f32(x, wg, wu))) < 1e-2
         assert rel_err(outs[1], R.rms_norm(x, wg[0, :256], 1e-6, True)) < 1e-2
-        assert rel_err(outs[2], R.decode_attention(*f32(q, kc, vc), lengths, 128**-0.5)) < 1e-2
+        want_attn = R.decode_attention(*f32(q, kc, vc), lengths, 128**-0.5).to(dtype) * torch.sigmoid(gate)
+        assert rel_err(outs[2], want_attn) < 1e-2
         assert (outs[3] == R.sample_tokens(logits, *sargs)[0]).float().mean() >= 0.75
         ref_gdn["conv_state"], ref_gdn["recurrent_state"] = conv0, rec0
         assert rel_err(outs[4], R.gdn_decode_step(*ref_gdn.values(), 1e-6, 2, 128, 128)) < 1e-2
+        want_q = R.attention_prologue(*qkv, *rope, *norms, kc2_ref, vc2_ref, positions, 1e-6, True, True)
+        assert rel_err(outs[5], want_q) < 1e-2 and rel_err(kc2, kc2_ref) < 1e-2 and torch.equal(vc2, vc2_ref)
+        assert rel_err(outs[6], R.silu_mul(wg, wu)) < 1e-2
 
 
 def test_dispatch_uses_native_for_eligible_decode_inputs_only():

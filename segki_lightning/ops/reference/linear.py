@@ -20,9 +20,12 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
 
     The gate and up products are combined in fp32 and rounded once to ``x.dtype``.
     """
-    gate = F.linear(x, w_gate).float()
-    up = F.linear(x, w_up).float()
-    return (F.silu(gate) * up).to(x.dtype)
+    return silu_mul(F.linear(x, w_gate), F.linear(x, w_up))
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` in fp32, rounded once to ``gate.dtype``: the epilogue of :func:`gated_mlp_front`."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 def qkv_proj(
