@@ -28,3 +28,18 @@ def test_missing_native_kernels_are_announced_once(caplog, monkeypatch):
         assert sum("reference path" in r.message for r in caplog.records) == 1
     finally:
         extension.native_ops.cache_clear()
+
+
+def test_every_native_op_has_a_reference_and_a_fake():
+    """The op schemas in csrc/bindings.cpp are the contract: each needs a reference of the same name
+    (the CPU path and test oracle) and a shape function for tracing/torch.compile."""
+    import re
+    from pathlib import Path
+
+    root = Path(extension.__file__).resolve().parents[1]
+    schemas = re.findall(r'm\.def\("(\w+)\(', (root / "csrc" / "bindings.cpp").read_text())
+    fakes = set(re.findall(r'register_fake\("segki::(\w+)"\)', (root / "ops" / "fake.py").read_text()))
+    assert len(schemas) >= 10
+    for name in schemas:
+        assert callable(getattr(reference, name, None)), f"no reference for segki::{name}"
+        assert name in fakes, f"no register_fake for segki::{name}"
