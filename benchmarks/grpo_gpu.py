@@ -3,7 +3,7 @@
 its rollout/train split and rollout tokens/s, for each requested setting of the two switches and number of
 GPUs (DDP). Each run is ``python -m segki_lightning.train --config-name grpo ...`` in its own process.
 
-    python benchmarks/grpo_gpu.py --out benchmarks/results/grpo_gpu [--runs segki off] [--devices 1]
+    python benchmarks/grpo_gpu.py --out benchmarks/results/grpo_gpu [--runs segki off] [--devices 1] [--prompts 4 8]
     python benchmarks/grpo_gpu.py --out benchmarks/results/grpo_ddp --runs segki --devices 1 2
 
 ``segki`` is ``rollout.use_segki=true rollout.graph_capture=true``; ``off`` is both false (the model's plain
@@ -43,14 +43,14 @@ def write_checkpoint(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
-def run_recipe(ckpt: Path, run_dir: Path, mode: str, devices: int, args) -> tuple[int, float, str]:
+def run_recipe(ckpt: Path, run_dir: Path, mode: str, devices: int, prompts: int, args) -> tuple[int, float, str]:
     """Run the recipe in its own process; its command line and output go to ``args.out/<run>.log``."""
     on = SWITCHES[mode]
     cmd = [sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo", "model=pretrained",
            f"model.pretrained={ckpt}", "trainer=gpu", f"trainer.devices={devices}",
            f"trainer.strategy={'ddp' if devices > 1 else 'auto'}", f"trainer.max_steps={args.steps[mode]}",
            "trainer.enable_progress_bar=false", "algo.num_generations=8", "algo.max_completion_length=256",
-           f"task.prompts_per_step={args.prompts}", f"rollout.max_batch_size={8 * args.prompts}",
+           f"task.prompts_per_step={prompts}", f"rollout.max_batch_size={8 * prompts}",
            "rollout.max_seq_len=320", f"rollout.use_segki={on}", f"rollout.graph_capture={on}",
            "checkpoint.save_last=false", "checkpoint.every_n_train_steps=100000", f"hydra.run.dir={run_dir}"]
     t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--runs", nargs="+", choices=list(SWITCHES), default=["segki", "off"])
     ap.add_argument("--devices", nargs="+", type=int, default=[1])
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per step and rank (x8 completions)")
+    ap.add_argument("--prompts", nargs="+", type=int, default=[4], help="prompts per step and rank (x8 completions)")
     ap.add_argument("--segki-steps", type=int, default=10)
     ap.add_argument("--off-steps", type=int, default=4)
     ap.add_argument("--warm", type=int, default=2)
@@ -98,37 +98,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "qwen35-0.8b-shape"
         write_checkpoint(ckpt)
-        for devices in args.devices:
-            for mode in args.runs:
-                name = f"{mode}_{devices}gpu"
-                run_dir = Path(tmp) / name
-                rc, wall, err = run_recipe(ckpt, run_dir, mode, devices, args)
-                r = dict(run=name, mode=mode, devices=devices, rows_per_rank=8 * args.prompts, returncode=rc,
-                         wall_s=round(wall, 1))
-                if rc == 0:
-                    r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1)))
-                else:
-                    r["error"] = err
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-    base = {r["devices"]: r for r in rows if r["mode"] == "off" and "rollout_tok_s" in r}
-    one_gpu = {r["mode"]: r for r in rows if r["devices"] == 1 and "rollout_tok_s" in r}
+        for prompts in args.prompts:
+            for devices in args.devices:
+                for mode in args.runs:
+                    name = f"{mode}_{devices}gpu_{prompts}p"
+                    run_dir = Path(tmp) / name
+                    rc, wall, err = run_recipe(ckpt, run_dir, mode, devices, prompts, args)
+                    r = dict(run=name, mode=mode, devices=devices, rows_per_rank=8 * prompts, returncode=rc,
+                             wall_s=round(wall, 1))
+                    if rc == 0:
+                        r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1)))
+                    else:
+                        r["error"] = err
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+    base = {(r["devices"], r["rows_per_rank"]): r for r in rows if r["mode"] == "off" and "rollout_tok_s" in r}
+    one_gpu = {(r["mode"], r["rows_per_rank"]): r for r in rows if r["devices"] == 1 and "rollout_tok_s" in r}
     for r in rows:
         if "rollout_tok_s" not in r:
             continue
-        if r["mode"] == "segki" and r["devices"] in base:
-            r["tok_s_vs_off"] = round(r["rollout_tok_s"] / base[r["devices"]]["rollout_tok_s"], 1)
-        if r["devices"] > 1 and r["mode"] in one_gpu:
-            r["tok_s_vs_1gpu"] = round(r["rollout_tok_s"] / one_gpu[r["mode"]]["rollout_tok_s"], 2)
+        if r["mode"] == "segki" and (r["devices"], r["rows_per_rank"]) in base:
+            r["tok_s_vs_off"] = round(r["rollout_tok_s"] / base[(r["devices"], r["rows_per_rank"])]["rollout_tok_s"], 1)
+        if r["devices"] > 1 and (r["mode"], r["rows_per_rank"]) in one_gpu:
+            r["tok_s_vs_1gpu"] = round(r["rollout_tok_s"] / one_gpu[(r["mode"], r["rows_per_rank"])]["rollout_tok_s"], 2)
     import importlib.util
 
     fla = "installed" if importlib.util.find_spec("fla") else "not installed (chunked torch GDN prefill/training)"
     header = (f"# GRPO recipe, Qwen3.5-0.8B shape (random bf16), G=8, 256-token completions, "
-              f"{args.prompts} prompts per step and rank, {torch.cuda.get_device_name()}, flash-linear-attention "
+              f"{'/'.join(map(str, args.prompts))} prompts per step and rank, {torch.cuda.get_device_name()}, "
+              f"flash-linear-attention "
               f"{fla}\n\nCommand: "
               f"`python benchmarks/grpo_gpu.py --out DIR --runs {' '.join(args.runs)} --devices "
-              f"{' '.join(map(str, args.devices))} --prompts {args.prompts}`. Medians over the steps after the first "
-              f"{args.warm}; rollout tokens/s is summed over ranks.")
+              f"{' '.join(map(str, args.devices))} --prompts {' '.join(map(str, args.prompts))}`. Medians over the "
+              f"steps after the first {args.warm}; rollout tokens/s is summed over ranks.")
     cols = ["run", "devices", "rows_per_rank", "step_s", "rollout_s", "train_s", "rollout_share", "rollout_tok_s",
             "tok_s_vs_off", "tok_s_vs_1gpu", "weights_identical", "first_step_s", "completion_len", "error"]
     write_results(args.out, "grpo_gpu", rows, cols, header)

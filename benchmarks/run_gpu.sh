@@ -3,11 +3,12 @@
 #   build   python -m segki_lightning.ops.build                  (the extension, JIT cache)
 #   tests   pytest tests/gpu                                     (gpu_tests.log)
 #   kernels benchmarks/kernels.py                                (kernels.json/md)
-#   nopdl   benchmarks/kernels.py with SEGKI_PDL=0 (launch-order A/B) (no_pdl/kernels.json/md)
-#   prefetch benchmarks/kernels.py, batch 1, GEMV L2 warm-up off / 2 KB per row (prefetch_{0,2048}/)
+#   ab      benchmarks/kernels.py once per kernel switch, each alone (ab/<name>/kernels.json/md):
+#           SEGKI_PDL=0 (plain launch order), SEGKI_GEMV_PREFETCH=0 / 2048 (GEMV L2 warm-up none / 2 KB
+#           per row), SEGKI_MMA_ROW_BYTES=512 (tensor-core GEMV rounds of 8 k blocks)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
-#   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU       (grpo_gpu/)
+#   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 4 and 8 prompts x 8 (grpo_gpu/)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
 # usage: bash benchmarks/run_gpu.sh --out DIR [stage ...]
 set -uo pipefail
@@ -22,16 +23,17 @@ for stage in "${stages[@]}"; do
     build)   python3 -m segki_lightning.ops.build > "$out/build.log" 2>&1 || { grep -m 20 error "$out/build.log"; exit 1; } ;;
     tests)   python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
     kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
-    nopdl)   SEGKI_PDL=0 python3 benchmarks/kernels.py --out "$out/no_pdl" --batches 1 16 > "$out/nopdl.log" 2>&1
-             tail -30 "$out/nopdl.log" | cut -c1-110 ;;
-    prefetch) for b in 0 2048; do
-                SEGKI_GEMV_PREFETCH=$b python3 benchmarks/kernels.py --out "$out/prefetch_$b" --batches 1 > "$out/prefetch_$b.log" 2>&1
-                grep -E "proj|linear" "$out/prefetch_$b/kernels.md" | cut -c1-100
-              done ;;
+    ab)      mkdir -p "$out/ab"
+             for pair in no_pdl:SEGKI_PDL=0 prefetch_0:SEGKI_GEMV_PREFETCH=0 prefetch_2k:SEGKI_GEMV_PREFETCH=2048 \
+                         rounds_512:SEGKI_MMA_ROW_BYTES=512; do
+               name=${pair%%:*}; setting=${pair#*:}
+               env "$setting" python3 benchmarks/kernels.py --out "$out/ab/$name" --batches 1 16 32 > "$out/ab/$name.log" 2>&1
+               echo "-- $setting"; grep -E "proj|linear" "$out/ab/$name/kernels.md" | cut -c1-100
+             done ;;
     decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
              tail -32 "$out/decode.log" | cut -c1-160 ;;
     profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;
-    grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
+    grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --prompts 4 8 > "$out/grpo.log" 2>&1; tail -10 "$out/grpo.log" ;;
     ddp)     python3 benchmarks/grpo_gpu.py --out "$out/grpo_ddp" --runs segki --devices 1 2 > "$out/ddp.log" 2>&1; tail -6 "$out/ddp.log" ;;
     *)       echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -72,27 +72,30 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 }
 
 // acc[NB][4]: C fragments (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j) over k blocks
-// [kb0, kb1). Weight loads of kUnroll k blocks are in flight together; x is read per k block (L1 hits).
-template <typename T, int NB>
+// [kb0, kb1). Weight loads of U k blocks are in flight together (per row, one load instruction covers 64
+// contiguous bytes and a round U * 64 bytes); x is read per k block (L1 hits). U = 8 (long rounds: the
+// 512-byte runs of the CUDA-core path, twice the registers) is the experiment behind SEGKI_MMA_ROW_BYTES.
+template <typename T, int NB, int U>
 __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NB][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const T* w_lo = w + (size_t)g * k;
   const T* w_hi = w + (size_t)(g + 8) * k;
   const bool lo_ok = g < rows_left, hi_ok = g + 8 < rows_left;
-  for (int kb = kb0; kb < kb1; kb += kUnroll) {
-    uint4 wl[kUnroll], wh[kUnroll];
+  const int kend = min(kb1 * 32, k);
+  for (int kb = kb0; kb < kb1; kb += U) {
+    uint4 wl[U], wh[U];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int kk = (kb + u) * 32 + t * 8;
-      const bool in = kb + u < kb1 && kk < k;
+      const bool in = kk < kend;
       wl[u] = in && lo_ok ? ld_stream(w_lo + kk) : make_uint4(0, 0, 0, 0);
       wh[u] = in && hi_ok ? ld_stream(w_hi + kk) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int kk = (kb + u) * 32 + t * 8;
-      const bool in = kb + u < kb1 && kk < k;
+      const bool in = kk < kend;
 #pragma unroll
       for (int j = 0; j < NB; ++j) {
         const uint4 xv = in && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
@@ -134,7 +137,7 @@ __device__ __forceinline__ void frag_pos(int f, int& row, int& col) {
   col = j * 8 + 2 * (lane & 3) + (i & 1);
 }
 
-template <typename T, int NB, Epilogue EPI>
+template <typename T, int NB, Epilogue EPI, int U>
 __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArgs<T> a, int splits) {
   constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
   constexpr int FRAG = 32 * NB * 4;  // floats in one warp's C fragments
@@ -156,9 +159,9 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
   pdl_wait();
   float acc[NACC][NB][4] = {};
   if (tile < total_tiles) {
-    tile_dot<T, NB>(a.w[wi] + (size_t)row0 * a.k, a.n[wi] - row0, a.x, a.m, a.k, kb0, kb1, acc[0]);
+    tile_dot<T, NB, U>(a.w[wi] + (size_t)row0 * a.k, a.n[wi] - row0, a.x, a.m, a.k, kb0, kb1, acc[0]);
     if constexpr (EPI == Epilogue::SiluMul)
-      tile_dot<T, NB>(a.w[1] + (size_t)row0 * a.k, a.n[0] - row0, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
+      tile_dot<T, NB, U>(a.w[1] + (size_t)row0 * a.k, a.n[0] - row0, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
   }
   if (splits == 1) {  // the whole K in this block: write from registers
     if (tile >= total_tiles) return;
@@ -320,15 +323,27 @@ int choose_splits(int groups, int kblocks) {
   return splits;
 }
 
+// SEGKI_MMA_ROW_BYTES=512 makes tile_dot's rounds 8 k blocks long (default 256 bytes per row: 4). Read on
+// every launch, so one process can compare both (a captured graph keeps the kernel it was captured with).
+inline bool long_rounds() {
+  const char* v = std::getenv("SEGKI_MMA_ROW_BYTES");
+  return v != nullptr && std::string(v) == "512";
+}
+
 template <typename T, Epilogue EPI>
 void launch_tiles(const GemvArgs<T>& a, int tiles) {
   const int groups = (tiles + kTileWarps - 1) / kTileWarps;
   const int splits = choose_splits(groups, (a.k + 31) / 32);
   auto stream = at::cuda::getCurrentCUDAStream();
+  const bool long_map = long_rounds();
 #define SEGKI_GEMV_CASE(NB)                                                                               \
   if (a.m <= NB * 8) {                                                                                   \
-    launch_pdl(gemv_mma_kernel<T, NB, EPI>, dim3(groups, splits), dim3(kTileWarps * 32), stream,          \
-               dim3(1, splits, 1), a, splits);                                                           \
+    if (long_map)                                                                                        \
+      launch_pdl(gemv_mma_kernel<T, NB, EPI, 8>, dim3(groups, splits), dim3(kTileWarps * 32), stream,  \
+                 dim3(1, splits, 1), a, splits);                                                         \
+    else                                                                                                 \
+      launch_pdl(gemv_mma_kernel<T, NB, EPI, kUnroll>, dim3(groups, splits), dim3(kTileWarps * 32), stream, \
+                 dim3(1, splits, 1), a, splits);                                                         \
     return;                                                                                              \
   }
   SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)
@@ -436,6 +451,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_cuda_half(up, op, "up", gate.scalar_type());
   TORCH_CHECK(gate.sizes() == up.sizes(), op, ": gate ", gate.sizes(), " and up ", up.sizes(), " differ");
   TORCH_CHECK(gate.numel() % 8 == 0, op, ": element count ", gate.numel(), " must be a multiple of 8");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(up.data_ptr()) % 16 == 0,
+              op, ": gate and up must start on 16-byte boundaries (16-byte loads)");
   auto out = at::empty_like(gate);
   const int64_t n8 = gate.numel() / 8;
   if (n8 == 0) return out;
