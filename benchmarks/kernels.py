@@ -184,7 +184,7 @@ def main() -> None:
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
     cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup"]
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("SEGKI_PDL", "SEGKI_GEMV_PREFETCH", "SEGKI_MMA_ROW_BYTES") if k in os.environ)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("SEGKI_PDL", "SEGKI_GEMV_PREFETCH", "SEGKI_GEMV_MMA") if k in os.environ)
     header = (f"# Kernel benchmark (bf16, CUDA-graph replays, median)\n\nCopy bandwidth {bw:.0f} GB/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"

@@ -5,7 +5,7 @@
 #   kernels benchmarks/kernels.py                                (kernels.json/md)
 #   ab      benchmarks/kernels.py once per kernel switch, each alone (ab/<name>/kernels.json/md):
 #           SEGKI_PDL=0 (plain launch order), SEGKI_GEMV_PREFETCH=0 / 2048 (GEMV L2 warm-up none / 2 KB
-#           per row), SEGKI_MMA_ROW_BYTES=512 (tensor-core GEMV rounds of 8 k blocks)
+#           per row), SEGKI_GEMV_MMA=staged (tensor-core GEMV through per-warp cp.async rings)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 4 and 8 prompts x 8 (grpo_gpu/)
@@ -25,7 +25,7 @@ for stage in "${stages[@]}"; do
     kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
     ab)      mkdir -p "$out/ab"
              for pair in no_pdl:SEGKI_PDL=0 prefetch_0:SEGKI_GEMV_PREFETCH=0 prefetch_2k:SEGKI_GEMV_PREFETCH=2048 \
-                         rounds_512:SEGKI_MMA_ROW_BYTES=512; do
+                         staged:SEGKI_GEMV_MMA=staged; do
                name=${pair%%:*}; setting=${pair#*:}
                env "$setting" python3 benchmarks/kernels.py --out "$out/ab/$name" --batches 1 16 32 > "$out/ab/$name.log" 2>&1
                echo "-- $setting"; grep -E "proj|linear" "$out/ab/$name/kernels.md" | cut -c1-100

@@ -164,14 +164,15 @@ inline bool pdl_enabled() {
   return enabled;
 }
 
-// Launch `kernel` on `stream` with programmatic stream serialization and, when `cluster` has more than one
-// block, that thread-block cluster shape.
+// Launch `kernel` on `stream` with programmatic stream serialization, `smem` bytes of dynamic shared memory
+// and, when `cluster` has more than one block, that thread-block cluster shape.
 template <typename... KernelArgs, typename... Args>
-void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, dim3 cluster,
-                Args&&... args) {
+void launch_pdl_smem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                     dim3 cluster, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   int n = 0;
@@ -188,6 +189,12 @@ void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream
   cfg.attrs = attr;
   cfg.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <typename... KernelArgs, typename... Args>
+void launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, cudaStream_t stream, dim3 cluster,
+                Args&&... args) {
+  launch_pdl_smem(kernel, grid, block, 0, stream, cluster, std::forward<Args>(args)...);
 }
 
 }  // namespace segki

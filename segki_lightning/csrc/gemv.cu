@@ -15,6 +15,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace segki {
 namespace {
@@ -72,10 +73,9 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
 }
 
 // acc[NB][4]: C fragments (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j) over k blocks
-// [kb0, kb1). Weight loads of U k blocks are in flight together (per row, one load instruction covers 64
-// contiguous bytes and a round U * 64 bytes); x is read per k block (L1 hits). U = 8 (long rounds: the
-// 512-byte runs of the CUDA-core path, twice the registers) is the experiment behind SEGKI_MMA_ROW_BYTES.
-template <typename T, int NB, int U>
+// [kb0, kb1). Weight loads of kUnroll k blocks are in flight together (per row, one load instruction covers
+// 64 contiguous bytes and a round 256 bytes); x is read per k block (L1 hits).
+template <typename T, int NB>
 __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NB][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -83,17 +83,17 @@ __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left,
   const T* w_hi = w + (size_t)(g + 8) * k;
   const bool lo_ok = g < rows_left, hi_ok = g + 8 < rows_left;
   const int kend = min(kb1 * 32, k);
-  for (int kb = kb0; kb < kb1; kb += U) {
-    uint4 wl[U], wh[U];
+  for (int kb = kb0; kb < kb1; kb += kUnroll) {
+    uint4 wl[kUnroll], wh[kUnroll];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int kk = (kb + u) * 32 + t * 8;
       const bool in = kk < kend;
       wl[u] = in && lo_ok ? ld_stream(w_lo + kk) : make_uint4(0, 0, 0, 0);
       wh[u] = in && hi_ok ? ld_stream(w_hi + kk) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int kk = (kb + u) * 32 + t * 8;
       const bool in = kk < kend;
 #pragma unroll
@@ -104,6 +104,84 @@ __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left,
       }
     }
   }
+}
+
+// ---- staged variant (SEGKI_GEMV_MMA=staged): each warp streams its 16 weight rows through its own ring of
+// kStages shared-memory slots with cp.async (bypassing L1), kStages - 1 slots in flight while it computes
+// on one. A slot holds 128 k (256 contiguous bytes) of each row, written by whole-row 256-byte copies (two
+// rows per instruction); 16-byte chunk c of row r sits at chunk c ^ (r & 7), so the fragment reads below
+// (8 rows x 4 chunks per instruction) hit every bank group once per wavefront. The first slots are filled
+// before the PDL wait: weights are never written by a kernel of the step.
+constexpr int kStages = 4;
+constexpr int kStageK = 128;                         // k per slot = 4 k blocks
+constexpr int kSlotBytes = 16 * kStageK * 2;         // 16 rows x 256 bytes
+constexpr int kRingBytes = kStages * kSlotBytes;     // per warp
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Copy k [k0, k0 + kStageK) of the warp's rows into `slot`; chunks past `kend` or `rows_left` become zeros.
+template <typename T>
+__device__ __forceinline__ void stage_copy(const T* w, int rows_left, int k, int k0, int kend, char* slot) {
+  const int lane = threadIdx.x & 31, c = lane & 15;
+  const int kk = k0 + c * 8;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = 2 * i + (lane >> 4);
+    const bool ok = r < rows_left && kk < kend;
+    cp_async16(slot + r * 256 + ((c ^ (r & 7)) * 16), ok ? w + (size_t)r * k + kk : w, ok);
+  }
+}
+
+// The same fragments as tile_dot, for the slot holding k [k0, k0 + kStageK).
+template <typename T, int NB>
+__device__ __forceinline__ void slot_dot(const char* slot, const T* __restrict__ x, int m, int k, int k0, int kend,
+                                         float acc[NB][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kb = 0; kb < kStageK / 32; ++kb) {
+    if (k0 + kb * 32 >= kend) break;  // the same for the whole warp
+    const int c = kb * 4 + t, kk = k0 + c * 8;
+    const uint4 wl = *reinterpret_cast<const uint4*>(slot + g * 256 + ((c ^ g) * 16));
+    const uint4 wh = *reinterpret_cast<const uint4*>(slot + (g + 8) * 256 + ((c ^ g) * 16));  // (g + 8) & 7 == g
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      const uint4 xv = kk < kend && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
+      mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
+      mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void ring_prologue(const T* w, int rows_left, int k, int k_lo, int kend, char* ring) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (k_lo + s * kStageK < kend) stage_copy<T>(w, rows_left, k, k_lo + s * kStageK, kend, ring + s * kSlotBytes);
+    cp_async_commit();  // empty groups too: the wait count below stays uniform
+  }
+}
+
+// Consume k [k_lo, kend) through the ring whose first kStages - 1 slots ring_prologue has requested.
+template <typename T, int NB>
+__device__ __forceinline__ void ring_dot(const T* w, int rows_left, const T* __restrict__ x, int m, int k, int k_lo,
+                                         int kend, char* ring, float acc[NB][4]) {
+  const int slots = (kend - k_lo + kStageK - 1) / kStageK;
+  for (int i = 0; i < slots; ++i) {
+    const int ahead = i + kStages - 1;
+    if (ahead < slots) stage_copy<T>(w, rows_left, k, k_lo + ahead * kStageK, kend, ring + (ahead % kStages) * kSlotBytes);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // slot i has landed (this lane's copies) ...
+    __syncwarp();                  // ... and every lane's
+    slot_dot<T, NB>(ring + (i % kStages) * kSlotBytes, x, m, k, k_lo + i * kStageK, kend, acc);
+    __syncwarp();                  // slot i is read before a later copy reuses it
+  }
+  cp_async_wait<0>();
 }
 
 // Which weight a 16-row tile of the concatenated outputs belongs to.
@@ -137,11 +215,23 @@ __device__ __forceinline__ void frag_pos(int f, int& row, int& col) {
   col = j * 8 + 2 * (lane & 3) + (i & 1);
 }
 
-template <typename T, int NB, Epilogue EPI, int U>
+template <int NB, Epilogue EPI>
+constexpr int part_bytes() {  // the block's partial C tiles for the split-K reduction
+  return (EPI == Epilogue::SiluMul ? 2 : 1) * kTileWarps * 32 * NB * 4 * (int)sizeof(float);
+}
+
+template <int NB, Epilogue EPI, bool STAGED>
+constexpr int mma_smem_bytes() {
+  return STAGED && kTileWarps * kRingBytes > part_bytes<NB, EPI>() ? kTileWarps * kRingBytes : part_bytes<NB, EPI>();
+}
+
+template <typename T, int NB, Epilogue EPI, bool STAGED>
 __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArgs<T> a, int splits) {
   constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
   constexpr int FRAG = 32 * NB * 4;  // floats in one warp's C fragments
-  __shared__ float part[NACC][kTileWarps * FRAG];
+  // STAGED: the warps' cp.async rings during the K loop; then (both variants) part[NACC][kTileWarps * FRAG]
+  extern __shared__ __align__(16) char smem[];
+  float* part = reinterpret_cast<float*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int total_tiles = EPI == Epilogue::SiluMul ? a.tile_start[1] : a.tile_start[a.nw];
   const int tile = blockIdx.x * kTileWarps + warp;
@@ -150,18 +240,34 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
   const int kblocks = (a.k + 31) / 32, per_split = (kblocks + splits - 1) / splits;
   const int kb0 = min(kblocks, (int)blockIdx.y * per_split), kb1 = min(kblocks, kb0 + per_split);
 
+  const T* w0 = a.w[wi] + (size_t)row0 * a.k;
+  const T* w1 = a.w[NACC - 1] + (size_t)row0 * a.k;  // SiluMul: the up weight
+  const int rows_left = a.n[wi] - row0, k_lo = kb0 * 32, kend = min(a.k, kb1 * 32);
+  char* ring = smem + warp * kRingBytes;
+
   pdl_launch_dependents();
-  if (tile < total_tiles) {  // weights only (never written by a kernel of the step): warm L2, then wait
-    const int r = min(16, a.n[wi] - row0), c0 = kb0 * 32, c1 = prefetch_end(c0, min(a.k, kb1 * 32), a.prefetch_cols);
-    prefetch_rows_l2(a.w[wi] + (size_t)row0 * a.k, r, a.k, c0, c1);
-    if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row0 * a.k, r, a.k, c0, c1);
+  if (tile < total_tiles) {  // weights only (never written by a kernel of the step): start on them, then wait
+    if constexpr (STAGED) {
+      ring_prologue<T>(w0, rows_left, a.k, k_lo, kend, ring);
+    } else {
+      const int r = min(16, rows_left), c1 = prefetch_end(k_lo, kend, a.prefetch_cols);
+      prefetch_rows_l2(w0, r, a.k, k_lo, c1);
+      if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(w1, r, a.k, k_lo, c1);
+    }
   }
   pdl_wait();
   float acc[NACC][NB][4] = {};
   if (tile < total_tiles) {
-    tile_dot<T, NB, U>(a.w[wi] + (size_t)row0 * a.k, a.n[wi] - row0, a.x, a.m, a.k, kb0, kb1, acc[0]);
-    if constexpr (EPI == Epilogue::SiluMul)
-      tile_dot<T, NB, U>(a.w[1] + (size_t)row0 * a.k, a.n[0] - row0, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
+    if constexpr (STAGED) {
+      ring_dot<T, NB>(w0, rows_left, a.x, a.m, a.k, k_lo, kend, ring, acc[0]);
+      if constexpr (EPI == Epilogue::SiluMul) {
+        ring_prologue<T>(w1, rows_left, a.k, k_lo, kend, ring);
+        ring_dot<T, NB>(w1, rows_left, a.x, a.m, a.k, k_lo, kend, ring, acc[NACC - 1]);
+      }
+    } else {
+      tile_dot<T, NB>(w0, rows_left, a.x, a.m, a.k, kb0, kb1, acc[0]);
+      if constexpr (EPI == Epilogue::SiluMul) tile_dot<T, NB>(w1, rows_left, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
+    }
   }
   if (splits == 1) {  // the whole K in this block: write from registers
     if (tile >= total_tiles) return;
@@ -175,12 +281,13 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
       }
     return;
   }
+  if constexpr (STAGED) __syncthreads();  // every warp is done with its ring before `part` overwrites it
 #pragma unroll
   for (int c = 0; c < NACC; ++c)
 #pragma unroll
     for (int j = 0; j < NB; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) part[c][warp * FRAG + (lane * NB + j) * 4 + i] = acc[c][j][i];
+      for (int i = 0; i < 4; ++i) part[(c * kTileWarps + warp) * FRAG + (lane * NB + j) * 4 + i] = acc[c][j][i];
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   // block `rank` of the cluster sums every splits-th element of the group's tiles over all K slices
@@ -190,7 +297,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
     if (tl >= total_tiles) break;
     float v[NACC] = {};
     for (int s = 0; s < splits; ++s) {
-      const float* peer = cluster.map_shared_rank(&part[0][0], s);
+      const float* peer = cluster.map_shared_rank(part, s);
 #pragma unroll
       for (int c = 0; c < NACC; ++c) v[c] += peer[c * kTileWarps * FRAG + e];
     }
@@ -323,11 +430,25 @@ int choose_splits(int groups, int kblocks) {
   return splits;
 }
 
-// SEGKI_MMA_ROW_BYTES=512 makes tile_dot's rounds 8 k blocks long (default 256 bytes per row: 4). Read on
-// every launch, so one process can compare both (a captured graph keeps the kernel it was captured with).
-inline bool long_rounds() {
-  const char* v = std::getenv("SEGKI_MMA_ROW_BYTES");
-  return v != nullptr && std::string(v) == "512";
+// SEGKI_GEMV_MMA=staged selects the cp.async-ring variant of the tensor-core kernel (default: direct loads).
+// Read on every launch, so one process can compare both (a captured graph keeps the kernel it captured).
+inline bool staged_mma() {
+  const char* v = std::getenv("SEGKI_GEMV_MMA");
+  return v != nullptr && std::string(v) == "staged";
+}
+
+template <typename T, int NB, Epilogue EPI, bool STAGED>
+void launch_mma(const GemvArgs<T>& a, int groups, int splits, cudaStream_t stream) {
+  constexpr int smem = mma_smem_bytes<NB, EPI, STAGED>();
+  static std::atomic<uint64_t> allowed{0};  // devices on which this kernel may use `smem` (> 48 KB needs it)
+  const uint64_t bit = uint64_t{1} << (at::cuda::current_device() & 63);
+  if (!(allowed.load() & bit)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_mma_kernel<T, NB, EPI, STAGED>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    allowed.fetch_or(bit);
+  }
+  launch_pdl_smem(gemv_mma_kernel<T, NB, EPI, STAGED>, dim3(groups, splits), dim3(kTileWarps * 32), smem, stream,
+                  dim3(1, splits, 1), a, splits);
 }
 
 template <typename T, Epilogue EPI>
@@ -335,15 +456,11 @@ void launch_tiles(const GemvArgs<T>& a, int tiles) {
   const int groups = (tiles + kTileWarps - 1) / kTileWarps;
   const int splits = choose_splits(groups, (a.k + 31) / 32);
   auto stream = at::cuda::getCurrentCUDAStream();
-  const bool long_map = long_rounds();
+  const bool staged = staged_mma();
 #define SEGKI_GEMV_CASE(NB)                                                                               \
   if (a.m <= NB * 8) {                                                                                   \
-    if (long_map)                                                                                        \
-      launch_pdl(gemv_mma_kernel<T, NB, EPI, 8>, dim3(groups, splits), dim3(kTileWarps * 32), stream,  \
-                 dim3(1, splits, 1), a, splits);                                                         \
-    else                                                                                                 \
-      launch_pdl(gemv_mma_kernel<T, NB, EPI, kUnroll>, dim3(groups, splits), dim3(kTileWarps * 32), stream, \
-                 dim3(1, splits, 1), a, splits);                                                         \
+    if (staged) launch_mma<T, NB, EPI, true>(a, groups, splits, stream);                                 \
+    else launch_mma<T, NB, EPI, false>(a, groups, splits, stream);                                       \
     return;                                                                                              \
   }
   SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)

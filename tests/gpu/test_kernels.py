@@ -64,14 +64,14 @@ def f32(*ts):
     return [t.float() if t is not None else None for t in ts]
 
 
-@pytest.mark.parametrize("row_bytes", ["256", "512"])  # SEGKI_MMA_ROW_BYTES: tensor-core rounds of 4 or 8 k blocks
+@pytest.mark.parametrize("mma", ["direct", "staged"])  # SEGKI_GEMV_MMA: the tensor-core kernel's two variants
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", list(PROJ_SHAPES))
-def test_projection_family(shape, batch, dtype, row_bytes, monkeypatch):
-    if row_bytes == "512" and batch <= 4:
-        pytest.skip("the CUDA-core path (<= 4 rows) has no such setting")
-    monkeypatch.setenv("SEGKI_MMA_ROW_BYTES", row_bytes)
+def test_projection_family(shape, batch, dtype, mma, monkeypatch):
+    if mma == "staged" and batch <= 4:
+        pytest.skip("the CUDA-core path (<= 4 rows) has no such variant")
+    monkeypatch.setenv("SEGKI_GEMV_MMA", mma)
     k, ns = PROJ_SHAPES[shape]
     x = randn(batch, k, dtype=dtype)
     ws = [randn(n, k, dtype=dtype, scale=k**-0.5) for n in ns]
