@@ -3,6 +3,7 @@ timing and result files."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Callable
@@ -74,10 +75,18 @@ def graph_time_us(fns: list[Callable[[], object]], calls: int = 32, reps: int = 
     return statistics.median(times)
 
 
+def kernel_switches() -> str:
+    """The ``SEGKI_*`` settings of this run's environment (``SEGKI_PDL=0 ...``), empty when none is set."""
+    return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("SEGKI_") and k != "SEGKI_CACHE")
+
+
 def write_results(out: Path, name: str, rows: list[dict], columns: list[str], header: str) -> None:
-    """``out/name.json`` (all fields) and ``out/name.md`` (the listed columns)."""
+    """``out/name.json`` (all fields) and ``out/name.md`` (the listed columns); the header gains a line with
+    the run's kernel switches when any is set."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    if kernel_switches():
+        header += f"\n\nKernel switches in the environment: `{kernel_switches()}`"
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")

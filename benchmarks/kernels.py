@@ -7,7 +7,6 @@ achieved GB/s over the bytes each op must move and % of the measured copy bandwi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -184,14 +183,13 @@ def main() -> None:
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
     cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup"]
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("SEGKI_PDL", "SEGKI_GEMV_PREFETCH", "SEGKI_GEMV_MMA") if k in os.environ)
     header = (f"# Kernel benchmark (bf16, CUDA-graph replays, median)\n\nCopy bandwidth {bw:.0f} GB/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"
-              f"Command: `{env + ' ' if env else ''}python benchmarks/kernels.py --out benchmarks/results "
+              f"Command: `python benchmarks/kernels.py --out benchmarks/results "
               f"--batches {' '.join(map(str, args.batches))}`")
     write_results(args.out, "kernels", rows, cols, header)
-    print("\n".join(open(args.out / "kernels.md").read().splitlines()[6:]))
+    print("\n".join(line for line in (args.out / "kernels.md").read_text().splitlines() if line.startswith("|")))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from segki_lightning import ops
@@ -43,3 +44,13 @@ def test_every_native_op_has_a_reference_and_a_fake():
     for name in schemas:
         assert callable(getattr(reference, name, None)), f"no reference for segki::{name}"
         assert name in fakes, f"no register_fake for segki::{name}"
+
+
+def test_gemv_row_limit_comes_from_the_environment_with_a_clear_error(monkeypatch):
+    monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "64")
+    assert dispatch._max_gemv_rows() == 64
+    monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "sixteen")
+    with pytest.raises(ValueError, match="positive number of rows"):
+        dispatch._max_gemv_rows()
+    monkeypatch.delenv("SEGKI_GEMV_MAX_ROWS")
+    assert dispatch._max_gemv_rows() == 16

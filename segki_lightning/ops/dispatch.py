@@ -6,6 +6,8 @@ change: ineligible inputs take the reference.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,10 +16,20 @@ from . import reference
 from .extension import has_native
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _max_gemv_rows() -> int:
+    raw = os.environ.get("SEGKI_GEMV_MAX_ROWS", "16")
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows (default 16)")
+    return int(raw)
+
+
 # Rows up to which the decode GEMV family runs natively; beyond, cuBLAS (which also reads each weight once).
 # Measured on the H200 (benchmarks/results/kernels.md): at 32 rows the tensor-core path is slower than the
-# cuBLAS composition on every Qwen3.5-4B shape (0.54-0.90x), so it stays at 16.
-MAX_GEMV_ROWS = 16
+# cuBLAS composition on every Qwen3.5-4B shape (0.54-0.90x), so it stays at 16. SEGKI_GEMV_MAX_ROWS moves
+# the limit (read at import) for end-to-end comparisons; the kernels take up to 64 rows per launch.
+MAX_GEMV_ROWS = _max_gemv_rows()
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True,
