@@ -21,6 +21,7 @@ from segki_lightning.ops.dispatch import MAX_GEMV_ROWS  # noqa: E402
 from segki_lightning.ops.extension import native_ops  # noqa: E402
 
 DT = torch.bfloat16
+GROUPS = ("proj", "small", "attention")  # GEMV family | norm, prologue, GDN, sampling | decode attention
 L2_BYTES = 60e6
 MODELS = {  # hidden, intermediate, (Hk, Hv, Dk, Dv), (Hq, Hkv, D), vocab
     "4b": (2560, 9216, (16, 32, 128, 128), (16, 4, 256), 248320),
@@ -160,26 +161,32 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="folder for kernels.json / kernels.md")
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 32])
+    ap.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
+                    help="kernel groups to measure (default: all)")
     args = ap.parse_args()
     if native_ops() is None:
         sys.exit("the segki extension is not available on this machine")
     bw = copy_bandwidth_gbps()
     print(f"copy bandwidth: {bw:.0f} GB/s", flush=True)
     rows = []
+    on = set(args.only)
     for model in args.models:
         for batch in args.batches:
-            for name, (k, ns) in proj_cases(model).items():
-                rows.append(bench_projection(model, name, k, ns, batch, bw))
-                print(rows[-1], flush=True)
-            if batch > MAX_GEMV_ROWS:
-                rows.append(bench_mlp_front_beyond_gemv(model, batch, bw))
-            rows.append(bench_norm(model, batch, bw))
-            rows.append(bench_attention_prologue(model, batch, bw))
-            rows.append(bench_gdn(model, batch, bw))
-            for t in (0.0, 1.0):
-                rows.append(bench_sampling(model, batch, t, bw))
-        for valid, cache in ((8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)):
-            rows.append(bench_attention(model, valid, cache, bw))
+            if "proj" in on:
+                for name, (k, ns) in proj_cases(model).items():
+                    rows.append(bench_projection(model, name, k, ns, batch, bw))
+                    print(rows[-1], flush=True)
+                if batch > MAX_GEMV_ROWS:
+                    rows.append(bench_mlp_front_beyond_gemv(model, batch, bw))
+            if "small" in on:
+                rows.append(bench_norm(model, batch, bw))
+                rows.append(bench_attention_prologue(model, batch, bw))
+                rows.append(bench_gdn(model, batch, bw))
+                for t in (0.0, 1.0):
+                    rows.append(bench_sampling(model, batch, t, bw))
+        if "attention" in on:
+            for valid, cache in ((8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)):
+                rows.append(bench_attention(model, valid, cache, bw))
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
     cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup"]
@@ -187,7 +194,7 @@ def main() -> None:
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"
               f"Command: `python benchmarks/kernels.py --out benchmarks/results "
-              f"--batches {' '.join(map(str, args.batches))}`")
+              f"--batches {' '.join(map(str, args.batches))} --only {' '.join(args.only)}`")
     write_results(args.out, "kernels", rows, cols, header)
     print("\n".join(line for line in (args.out / "kernels.md").read_text().splitlines() if line.startswith("|")))
 

@@ -5,7 +5,8 @@
 #   kernels benchmarks/kernels.py                                (kernels.json/md)
 #   ab      benchmarks/kernels.py once per kernel switch, each alone (ab/<name>/kernels.json/md):
 #           SEGKI_PDL=0 (plain launch order), SEGKI_GEMV_PREFETCH=0 / 2048 (GEMV L2 warm-up none / 2 KB
-#           per row), SEGKI_GEMV_MMA=staged (tensor-core GEMV through per-warp cp.async rings)
+#           per row), SEGKI_GEMV_MMA=staged (tensor-core GEMV through per-warp cp.async rings),
+#           SEGKI_ATTN=batched (decode attention with batched softmax, twice the splits)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 4 and 8 prompts x 8 (grpo_gpu/)
@@ -24,11 +25,13 @@ for stage in "${stages[@]}"; do
     tests)   python3 -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -8 ;;
     kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
     ab)      mkdir -p "$out/ab"
-             for pair in no_pdl:SEGKI_PDL=0 prefetch_0:SEGKI_GEMV_PREFETCH=0 prefetch_2k:SEGKI_GEMV_PREFETCH=2048 \
-                         staged:SEGKI_GEMV_MMA=staged; do
-               name=${pair%%:*}; setting=${pair#*:}
-               env "$setting" python3 benchmarks/kernels.py --out "$out/ab/$name" --batches 1 16 32 > "$out/ab/$name.log" 2>&1
-               echo "-- $setting"; grep -E "proj|linear" "$out/ab/$name/kernels.md" | cut -c1-100
+             for run in "no_pdl SEGKI_PDL=0 proj small attention" "prefetch_0 SEGKI_GEMV_PREFETCH=0 proj" \
+                        "prefetch_2k SEGKI_GEMV_PREFETCH=2048 proj" "staged SEGKI_GEMV_MMA=staged proj" \
+                        "attn_batched SEGKI_ATTN=batched attention"; do
+               set -- $run; name=$1; setting=$2; shift 2
+               env "$setting" python3 benchmarks/kernels.py --out "$out/ab/$name" --batches 1 16 32 --only "$@" \
+                 > "$out/ab/$name.log" 2>&1
+               echo "-- $setting"; grep -E "^\| (4b|0.8b)" "$out/ab/$name/kernels.md" | cut -c1-100
              done ;;
     decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
              tail -32 "$out/decode.log" | cut -c1-160 ;;

@@ -15,25 +15,94 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kPos = 4;  // positions whose K and V rows a warp loads before using them
 
+// E consecutive half values of a row (E = D / 32 per lane), kept packed until used.
+template <typename T, int E>
+__device__ __forceinline__ uint4 load_raw(const T* p) {
+  if constexpr (E == 8) {
+    return ld_cached(p);
+  } else if constexpr (E == 4) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
+    return make_uint4(u.x, u.y, 0, 0);
+  } else {
+    return make_uint4(__ldg(reinterpret_cast<const unsigned int*>(p)), 0, 0, 0);
+  }
+}
+
+template <typename T, int E>
+__device__ __forceinline__ void unpack_raw(const uint4& r, float f[E]) {
+  const T* h = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int i = 0; i < E; ++i) f[i] = to_float<T>(h[i]);
+}
+
 template <typename T, int E>
 __device__ __forceinline__ void load_row(const T* p, float f[E]) {
-  if constexpr (E == 8) {
-    unpack8<T>(ld_cached(p), f);
-  } else if constexpr (E == 4) {
-    uint2 u = __ldg(reinterpret_cast<const uint2*>(p));
-    const T* h = reinterpret_cast<const T*>(&u);
+  unpack_raw<T, E>(load_raw<T, E>(p), f);
+}
+
+// One round of the batched variant (SEGKI_ATTN=batched): the scores of KP positions for all heads are
+// reduced together (independent shuffles) and folded into the online softmax with one rescale per head.
+// Heads >= g have zero queries: their scores are 0 and their accumulators are never stored.
+template <typename T, int E, int MAXG, int KP>
+__device__ __forceinline__ void attn_round_batched(const T* kc, const T* vc, size_t base, int p0, int w1, int g,
+                                                   const float qf[MAXG][E], float acc[MAXG][E], float m[MAXG],
+                                                   float l[MAXG]) {
+  constexpr int D = E * 32;
+  uint4 kr[KP], vr[KP];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) f[i] = to_float<T>(h[i]);
-  } else {
-    uint32_t u = __ldg(reinterpret_cast<const unsigned int*>(p));
-    const T* h = reinterpret_cast<const T*>(&u);
+  for (int i = 0; i < KP; ++i) {
+    const bool in = p0 + i < w1;
+    kr[i] = in ? load_raw<T, E>(kc + base + (size_t)(p0 + i) * D) : make_uint4(0, 0, 0, 0);
+    vr[i] = in ? load_raw<T, E>(vc + base + (size_t)(p0 + i) * D) : make_uint4(0, 0, 0, 0);
+  }
+  float p[MAXG][KP];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) f[i] = to_float<T>(h[i]);
+  for (int i = 0; i < KP; ++i) {
+    float kf[E];
+    unpack_raw<T, E>(kr[i], kf);
+#pragma unroll
+    for (int h = 0; h < MAXG; ++h) {
+      float sc = 0.f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) sc = fmaf(qf[h][e], kf[e], sc);
+      p[h][i] = sc;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < MAXG; ++h)
+#pragma unroll
+    for (int i = 0; i < KP; ++i) p[h][i] = warp_sum(p[h][i]);
+#pragma unroll
+  for (int h = 0; h < MAXG; ++h) {
+    if (h >= g) break;
+    float mx = m[h];
+#pragma unroll
+    for (int i = 0; i < KP; ++i) mx = p0 + i < w1 ? fmaxf(mx, p[h][i]) : mx;
+    const float corr = __expf(m[h] - mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < KP; ++i) {
+      p[h][i] = p0 + i < w1 ? __expf(p[h][i] - mx) : 0.f;
+      sum += p[h][i];
+    }
+    l[h] = l[h] * corr + sum;
+    m[h] = mx;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[h][e] *= corr;
+  }
+#pragma unroll
+  for (int i = 0; i < KP; ++i) {
+    float vf[E];
+    unpack_raw<T, E>(vr[i], vf);
+#pragma unroll
+    for (int h = 0; h < MAXG; ++h)
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[h][e] = fmaf(p[h][i], vf[e], acc[h][e]);
   }
 }
 
 // grid (splits, Hkv, B); partial results [B, Hq, splits, D] (+ max and sum [B, Hq, splits]).
-template <typename T, int D, int MAXG>
+template <typename T, int D, int MAXG, bool BATCHED>
 __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
     const T* __restrict__ q, const T* __restrict__ kc, const T* __restrict__ vc, const int* __restrict__ lengths,
     float* __restrict__ part_acc, float* __restrict__ part_m, float* __restrict__ part_l, int hq, int hkv, int s_max,
@@ -55,6 +124,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
     l[h] = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) qf[h][e] = 0.f;
     if (h < g) {
       load_row<T, E>(q + ((size_t)b * hq + kvh * g + h) * D + lane * E, qf[h]);
 #pragma unroll
@@ -62,30 +133,35 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
     }
   }
   const size_t base = ((size_t)b * hkv + kvh) * s_max * D + lane * E;
-  for (int p0 = w0; p0 < w1; p0 += kPos) {
-    float kf[kPos][E], vf[kPos][E];
+  if constexpr (BATCHED) {
+    constexpr int KP = MAXG * E <= 16 ? 8 : 4;  // positions per round, as registers allow
+    for (int p0 = w0; p0 < w1; p0 += KP) attn_round_batched<T, E, MAXG, KP>(kc, vc, base, p0, w1, g, qf, acc, m, l);
+  } else {
+    for (int p0 = w0; p0 < w1; p0 += kPos) {
+      float kf[kPos][E], vf[kPos][E];
 #pragma unroll
-    for (int i = 0; i < kPos; ++i)
-      if (p0 + i < w1) {
-        load_row<T, E>(kc + base + (size_t)(p0 + i) * D, kf[i]);
-        load_row<T, E>(vc + base + (size_t)(p0 + i) * D, vf[i]);
-      }
+      for (int i = 0; i < kPos; ++i)
+        if (p0 + i < w1) {
+          load_row<T, E>(kc + base + (size_t)(p0 + i) * D, kf[i]);
+          load_row<T, E>(vc + base + (size_t)(p0 + i) * D, vf[i]);
+        }
 #pragma unroll
-    for (int i = 0; i < kPos; ++i) {
-      if (p0 + i >= w1) break;
+      for (int i = 0; i < kPos; ++i) {
+        if (p0 + i >= w1) break;
 #pragma unroll
-      for (int h = 0; h < MAXG; ++h) {
-        if (h >= g) break;
-        float s = 0.f;
+        for (int h = 0; h < MAXG; ++h) {
+          if (h >= g) break;
+          float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) s = fmaf(qf[h][e], kf[i][e], s);
-        s = warp_sum(s);
-        const float m_new = fmaxf(m[h], s);
-        const float corr = __expf(m[h] - m_new), p = __expf(s - m_new);
-        l[h] = l[h] * corr + p;
+          for (int e = 0; e < E; ++e) s = fmaf(qf[h][e], kf[i][e], s);
+          s = warp_sum(s);
+          const float m_new = fmaxf(m[h], s);
+          const float corr = __expf(m[h] - m_new), p = __expf(s - m_new);
+          l[h] = l[h] * corr + p;
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[h][e] = fmaf(p, vf[i][e], acc[h][e] * corr);
-        m[h] = m_new;
+          for (int e = 0; e < E; ++e) acc[h][e] = fmaf(p, vf[i][e], acc[h][e] * corr);
+          m[h] = m_new;
+        }
       }
     }
   }
@@ -215,6 +291,13 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
   }
 }
 
+// SEGKI_ATTN=batched selects the batched-softmax partial kernel and twice the splits (default: per-position
+// online softmax). Read on every call, so one process can compare both.
+inline bool batched_attention() {
+  const char* v = std::getenv("SEGKI_ATTN");
+  return v != nullptr && std::string(v) == "batched";
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& gate) {
   const char* op = "segki::decode_attention";
@@ -243,7 +326,10 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   if (bsz == 0) return out;
   c10::cuda::CUDAGuard guard(q.device());
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int splits = std::max(1, std::min({(2 * sms + bsz * hkv - 1) / (bsz * hkv), 256, (s_max + 15) / 16}));
+  const bool batched = batched_attention();
+  const int per_sm = batched ? 4 : 2;  // blocks per SM the splits aim for
+  const int splits =
+      std::max(1, std::min({(per_sm * sms + bsz * hkv - 1) / (bsz * hkv), 256, (s_max + 15) / 16}));
   auto fopt = q.options().dtype(at::kFloat);
   auto part_acc = at::empty({bsz, hq, splits, d}, fopt);
   auto part_m = at::empty({bsz, hq, splits}, fopt);
@@ -253,7 +339,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   SEGKI_DISPATCH_HALF(q.scalar_type(), op, [&] {
     auto run = [&](auto d_const, auto g_const) {
       constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
-      launch_pdl(attn_partial_kernel<T, DD, GG>, dim3(splits, hkv, bsz), dim3(kWarps * 32), stream, dim3(1),
+      auto partial = batched ? attn_partial_kernel<T, DD, GG, true> : attn_partial_kernel<T, DD, GG, false>;
+      launch_pdl(partial, dim3(splits, hkv, bsz), dim3(kWarps * 32), stream, dim3(1),
           reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kc.data_ptr()),
           reinterpret_cast<const T*>(vc.data_ptr()), lens.data_ptr<int>(), part_acc.data_ptr<float>(),
           part_m.data_ptr<float>(), part_l.data_ptr<float>(), hq, hkv, s_max, g, (float)scale);

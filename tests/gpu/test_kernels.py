@@ -135,10 +135,13 @@ def test_rms_norm_of_a_strided_view_takes_the_native_kernel():
     assert rel_err(got, R.rms_norm(q, w, 1e-6, True)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("variant", ["online", "batched"])  # SEGKI_ATTN
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("hq,hkv,d,s", [(16, 4, 256, 600), (8, 2, 256, 129), (8, 8, 128, 300), (4, 1, 64, 33)])
-def test_decode_attention(hq, hkv, d, s, batch, dtype):
+@pytest.mark.parametrize("hq,hkv,d,s", [(16, 4, 256, 600), (8, 2, 256, 129), (8, 8, 128, 300), (4, 1, 64, 33),
+                                        (24, 4, 128, 70)])  # g = 6: the heads past g in an 8-head group
+def test_decode_attention(hq, hkv, d, s, batch, dtype, variant, monkeypatch):
+    monkeypatch.setenv("SEGKI_ATTN", variant)
     q = randn(batch, hq, d, dtype=dtype)
     k, v = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
     lengths = torch.randint(1, s + 1, (batch,), device="cuda")
