@@ -230,3 +230,23 @@ def test_public_exports():
 
     assert segki_lightning.apply_segment_ki is apply_segment_ki
     assert segki_lightning.remove_segment_ki is remove_segment_ki
+
+
+def test_attention_decode_takes_rope_tables_broadcast_over_rows(tmp_path):
+    """Position embeddings computed for one row ([1, 1, R]) serve every row, as the model's own code allows."""
+    from segki_lightning.inject.verify_decode import _ProbeCache
+
+    model = build_model("qwen3_5", tmp_path)
+    apply_segment_ki(model)
+    attn = model.model.layers[-1].self_attn
+    d, hkv = attn.head_dim, attn.k_proj.out_features // attn.head_dim
+    x = torch.randn(2, 1, attn.q_proj.in_features)
+    keys, values, positions = torch.randn(2, hkv, 6, d), torch.randn(2, hkv, 6, d), torch.tensor([2, 4])
+    r = 4  # the tiny config's rotary width (partial rotary)
+    cos, sin = torch.randn(1, 1, r), torch.randn(1, 1, r)
+    outs = []
+    for tables in ((cos, sin), (cos.expand(2, 1, r), sin.expand(2, 1, r))):
+        cache = _ProbeCache(keys.clone(), values.clone(), positions)
+        with torch.no_grad():
+            outs.append((attn(x, position_embeddings=tables, attention_mask=None, cache=cache)[0], cache.keys))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -115,7 +115,7 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     bsz, d = x.shape[0], s.head_dim
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
     q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias)  # [B, Hq*D(*2)] ...
-    cos, sin = (t.reshape(bsz, -1) for t in rope_tables)                                          # [B, R]
+    cos, sin = (t.expand(bsz, 1, t.shape[-1]).reshape(bsz, -1) for t in rope_tables)             # [B, R]
     q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
     query = ops.attention_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset,
