@@ -4,7 +4,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(segki, m) {
-  m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? residual=None) -> Tensor");
   m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor");
   m.def("qkv_proj(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v)"
         " -> (Tensor, Tensor, Tensor)");

@@ -40,6 +40,7 @@ struct GemvArgs {
   int n[kMaxW];
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
   int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
+  const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
 };
 
 // SEGKI_GEMV_PREFETCH=<bytes> limits the L2 warm-up before the PDL wait to the first <bytes> of each weight
@@ -195,16 +196,19 @@ __device__ __forceinline__ int weight_of_tile(const GemvArgs<T>& a, int tile) {
   return wi;
 }
 
-// One output element from its accumulated value(s): bias, or SiLU(gate) * up.
+// One output element from its accumulated value(s): SiLU(gate) * up, or + bias, then + residual with the
+// roundings of the unfused model (the projection rounded to T, then the sum).
 template <typename T, Epilogue EPI>
 __device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row, int col, float v, float up) {
   if (row >= a.n[wi] || col >= a.m) return;
+  const size_t o = (size_t)col * a.n[wi] + row;
   if constexpr (EPI == Epilogue::SiluMul) {
     v = v / (1.f + expf(-v)) * up;
-  } else if (a.bias[wi]) {
-    v += to_float<T>(a.bias[wi][row]);
+  } else {
+    if (a.bias[wi]) v += to_float<T>(a.bias[wi][row]);
+    if (a.residual) v = round_to<T>(v) + to_float<T>(a.residual[o]);
   }
-  a.out[wi][(size_t)col * a.n[wi] + row] = from_float<T>(v);
+  a.out[wi][o] = from_float<T>(v);
 }
 
 // Fragment element f of a warp: (C slot i, batch group j, lane) -> tile row and batch column.
@@ -393,13 +397,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
     v[c] = 0.f;
     for (int p = 0; p < splits; ++p) v[c] += red[warp + p][c][lane];
   }
-  float y;
-  if constexpr (EPI == Epilogue::SiluMul) {
-    y = v[0] / (1.f + expf(-v[0])) * v[1];
-  } else {
-    y = v[0] + (a.bias[wi] ? to_float<T>(a.bias[wi][row]) : 0.f);
-  }
-  a.out[wi][(size_t)lane * a.n[wi] + row] = from_float<T>(y);
+  store_out<T, EPI>(a, wi, row, lane, v[0], v[NACC - 1]);
 }
 
 constexpr int kMaxRowsPerLaunch = 64;
@@ -469,7 +467,8 @@ void launch_tiles(const GemvArgs<T>& a, int tiles) {
 
 // Validates, allocates outputs [..., N_i], and runs over row chunks of at most 64 rows.
 std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vector<at::Tensor> ws,
-                                 std::vector<c10::optional<at::Tensor>> biases, Epilogue epi) {
+                                 std::vector<c10::optional<at::Tensor>> biases, Epilogue epi,
+                                 const c10::optional<at::Tensor>& residual = c10::nullopt) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   const int64_t k = x.size(-1);
   TORCH_CHECK(k % 8 == 0, op, ": the input width ", k, " must be a multiple of 8 (16-byte loads)");
@@ -491,6 +490,11 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
     shape.back() = ws[i].size(0);
     outs.push_back(at::empty(shape, x.options()));
   }
+  if (residual.has_value()) {
+    check_cuda_half(*residual, op, "residual", x.scalar_type());
+    TORCH_CHECK(residual->sizes() == outs[0].sizes(), op, ": residual ", residual->sizes(), " must match the output ",
+                outs[0].sizes());
+  }
   if (m == 0) return outs;
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRowsPerLaunch) {
@@ -500,6 +504,8 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       a.k = (int)k;
       a.nw = (int)ws.size();
       a.prefetch_cols = prefetch_cols(sizeof(T));
+      a.residual =
+          residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) + r0 * ws[0].size(0) : nullptr;
       for (int i = 0; i < a.nw; ++i) {
         a.w[i] = reinterpret_cast<const T*>(ws[i].data_ptr());
         a.bias[i] = (i < (int)biases.size() && biases[i].has_value())
@@ -523,8 +529,9 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
   return outs;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b) {
-  return run_gemv("segki::linear", x, {w}, {b}, Epilogue::Plain)[0];
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& b,
+                  const c10::optional<at::Tensor>& residual) {
+  return run_gemv("segki::linear", x, {w}, {b}, Epilogue::Plain, residual)[0];
 }
 
 at::Tensor gated_mlp_front(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu) {

@@ -38,9 +38,11 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- MLP
-def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
+def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (the decoder layer's residual add,
+    folded into the down projection)."""
     h = ops.gated_mlp_front(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
-    return ops.linear(h, self.down_proj.weight)                               # [..., H]
+    return ops.linear(h, self.down_proj.weight, None, residual)               # [..., H]
 
 
 # -------------------------------------------------------------------------------------- attention QKV
@@ -209,8 +211,8 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
 # ------------------------------------------------------------------------------------- decoder layer
 @dataclass
 class LayerSpec:
-    """A pre-norm residual decoder layer: ``x + mixer(norm1(x))`` then ``+ mlp(norm2(.))``; the second
-    residual add is fused with ``norm2``."""
+    """A pre-norm residual decoder layer: ``x + mixer(norm1(x))`` then ``+ mlp(norm2(.))``; the first
+    residual add is fused with ``norm2``, the second with the MLP's down projection when that is injected."""
 
     mixer: str                           # "self_attn" | "linear_attn"
     signature: inspect.Signature         # of the layer's original forward
@@ -236,4 +238,8 @@ def decoder_layer_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **
         out = out[0]
     normed, residual = ops.add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
                                         s.post_norm.eps, s.post_norm.unit_offset)
-    return residual + self.mlp(normed)
+    mlp = self.mlp
+    hooked = mlp._forward_hooks or mlp._forward_pre_hooks
+    if getattr(mlp.forward, "__func__", None) is gated_mlp_forward and not hooked:
+        return gated_mlp_forward(mlp, normed, residual)  # the residual add rides on the down projection
+    return residual + mlp(normed)

@@ -63,11 +63,11 @@ def _native(op: str):
     return getattr(torch.ops.segki, op)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`."""
-    if eligible("linear", x, weight, bias, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
-        return _native("linear")(x, weight, bias)
-    return reference.linear(x, weight, bias)
+    if eligible("linear", x, weight, bias, residual, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
+        return _native("linear")(x, weight, bias, residual)
+    return reference.linear(x, weight, bias, residual)
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:

@@ -104,6 +104,20 @@ def test_linear_more_rows_than_one_launch(batch, dtype):
     assert_every_element(got, want, dtype)
 
 
+@pytest.mark.parametrize("mma", ["direct", "staged"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 7, 16, 40, 64])
+def test_linear_with_the_residual_add_in_its_epilogue(batch, dtype, mma, monkeypatch):
+    """down_proj + the decoder layer's residual add: exactly the separate add of the rounded projection."""
+    monkeypatch.setenv("SEGKI_GEMV_MMA", mma)
+    x, w = randn(batch, 9216, dtype=dtype), randn(2560, 9216, dtype=dtype, scale=9216**-0.5)
+    res = randn(batch, 2560, dtype=dtype)
+    poison((batch, 2560), dtype=dtype)
+    got = torch.ops.segki.linear(x, w, None, res)
+    assert torch.equal(got, torch.ops.segki.linear(x, w, None) + res)
+    assert rel_err(got, R.linear(*f32(x, w), None, res.float())) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
 @pytest.mark.parametrize("rows,h", [(1, 2560), (7, 1024), (16, 2560), (3, 264)])

@@ -10,9 +10,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x @ weight^T (+ bias)``: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``."""
-    return F.linear(x, weight, bias)
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+    """``x @ weight^T (+ bias)``: ``x [..., K]``, ``weight [N, K]`` -> ``[..., N]``; with ``residual [..., N]``,
+    ``residual + that`` (the projection rounded to ``x.dtype`` first, as a separate residual add does)."""
+    out = F.linear(x, weight, bias)
+    return out if residual is None else residual + out
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
