@@ -252,7 +252,9 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const
   if (bsz == 0) return {tokens, logprobs};
   c10::cuda::CUDAGuard guard(logits.device());
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int splits = std::max(1, std::min({(2 * sms + bsz - 1) / bsz, 64, (vocab + 2047) / 2048}));
+  // ~8 blocks of 256 threads per SM over all rows (at 2 per SM a 32-row batch kept only ~8 KB of logits in
+  // flight per SM and left the Gumbel arithmetic short of warps); at most 64 slices per row.
+  const int splits = std::max(1, std::min({(8 * sms + bsz - 1) / bsz, 64, (vocab + 2047) / 2048}));
   auto part = at::empty({bsz, splits, 5}, logits.options().dtype(at::kFloat));
   auto stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(logits.scalar_type(), op, [&] {

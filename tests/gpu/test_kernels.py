@@ -278,8 +278,8 @@ def sampling_args(b, temperature, top_k=0, top_p=1.0):
 @pytest.mark.parametrize("vocab", [248320, 1000])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0),
                                                      (1.0, 0, 0.9), (0.8, 40, 0.8)])
-def test_sample_tokens_match_reference_stream(vocab, temperature, top_k, top_p, dtype):
-    b = 16
+@pytest.mark.parametrize("b", [1, 16, 37])  # 64, 64 and 29 vocabulary slices per row
+def test_sample_tokens_match_reference_stream(vocab, temperature, top_k, top_p, dtype, b):
     logits = randn(b, vocab, dtype=dtype, scale=3.0)
     args = sampling_args(b, temperature, top_k, top_p)
     tokens, logprobs = torch.ops.segki.sample_tokens(logits, *args)
@@ -287,7 +287,7 @@ def test_sample_tokens_match_reference_stream(vocab, temperature, top_k, top_p, 
     if temperature == 0.0:
         assert torch.equal(tokens, logits.float().argmax(-1))
     # same counter-based stream: identical draws except where two perturbed scores tie within rounding
-    assert (tokens == want_tokens).float().mean().item() >= 15 / 16
+    assert int((tokens != want_tokens).sum()) <= b // 16
     same = tokens == want_tokens
     torch.testing.assert_close(logprobs[same], want_logprobs[same], rtol=1e-4, atol=1e-3)
 
