@@ -98,6 +98,8 @@ class AttentionSpec:
 
 
 def attention_forward(self: nn.Module, *args: Any, **kwargs: Any):
+    """The module's own signature (bound against the original forward): a one-token step on the engine's
+    cache runs the fused decode; everything else (prefill, training, transformers caches) the original."""
     s: AttentionSpec = spec(self)
     arguments = s.signature.bind(*args, **kwargs).arguments
     x = next(iter(arguments.values()))
