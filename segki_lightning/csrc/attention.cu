@@ -222,7 +222,7 @@ __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const fl
   float y = aa / ll;
   if (gate != nullptr) {
     const float g = to_float<T>(gate[b * gate_sb + h * gate_sh + d]);
-    y = round_to<T>(y) * round_to<T>(1.f / (1.f + expf(-g)));
+    y = round_to<T>(y) * round_to<T>(sigmoid(g));
   }
   out[((size_t)b * hq + h) * D + d] = from_float<T>(y);
 }
@@ -293,10 +293,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
 
 // SEGKI_ATTN=batched selects the batched-softmax partial kernel and twice the splits (default: per-position
 // online softmax). Read on every call, so one process can compare both.
-inline bool batched_attention() {
-  const char* v = std::getenv("SEGKI_ATTN");
-  return v != nullptr && std::string(v) == "batched";
-}
+inline bool batched_attention() { return env_is("SEGKI_ATTN", "batched"); }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& gate) {
@@ -356,9 +353,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
       else if (g <= 4) run(d_const, std::integral_constant<int, 4>{});
       else run(d_const, std::integral_constant<int, 8>{});
     };
-    if (d == 64) by_g(std::integral_constant<int, 64>{});
-    else if (d == 128) by_g(std::integral_constant<int, 128>{});
-    else by_g(std::integral_constant<int, 256>{});
+    with_head_dim(d, by_g);
   });
   return out;
 }
@@ -410,9 +405,7 @@ at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at
           positions.data_ptr<int64_t>(), reinterpret_cast<T*>(query.data_ptr()), bsz, hq, hkv, s_max, r, qw,
           (float)eps, unit_offset);
     };
-    if (d == 64) run(std::integral_constant<int, 64>{});
-    else if (d == 128) run(std::integral_constant<int, 128>{});
-    else run(std::integral_constant<int, 256>{});
+    with_head_dim(d, run);
   });
   return query;
 }

@@ -66,6 +66,10 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
   return u;
 }
 
+// The activations as PyTorch computes them in fp32 (a division, not a multiply by the reciprocal).
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -113,6 +117,20 @@ __device__ __forceinline__ float block_max(float v, float* scratch /* [32] */) {
                 "; fp32 models run the reference path");                                  \
   }()
 
+// Run `f(std::integral_constant<int, D>{})` for a head dimension D in {64, 128, 256} (checked by the caller).
+template <typename F>
+void with_head_dim(int d, F&& f) {
+  if (d == 64) f(std::integral_constant<int, 64>{});
+  else if (d == 128) f(std::integral_constant<int, 128>{});
+  else f(std::integral_constant<int, 256>{});
+}
+
+// Whether the environment variable `name` is set to `value` (read on every call).
+inline bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::string(v) == value;
+}
+
 inline void check_cuda_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
@@ -157,10 +175,7 @@ __device__ __forceinline__ void prefetch_rows_l2(const T* p, int rows, size_t ld
 // SEGKI_PDL=0 in the environment launches every kernel in plain stream order (the wait/trigger instructions
 // are then no-ops): a switch for debugging and for comparing timings.
 inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("SEGKI_PDL");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  static const bool enabled = !env_is("SEGKI_PDL", "0");
   return enabled;
 }
 

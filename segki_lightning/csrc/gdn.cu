@@ -30,7 +30,7 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_
     acc += win[i] * to_float<T>(w[(size_t)c * width + i]);
   }
   if (bias) acc += to_float<T>(bias[c]);
-  mixed[(size_t)b * c_total + c] = from_float<T>(acc / (1.f + expf(-acc)));
+  mixed[(size_t)b * c_total + c] = from_float<T>(silu(acc));
 }
 
 // grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   };
   const float x = to_float<T>(agate[(size_t)b * hv + h]) + param(dt_bias);
   const float g = -expf(param(a_log)) * (x > 20.f ? x : log1pf(expf(x)));
-  const float beta = round_to<T>(1.f / (1.f + expf(-to_float<T>(bgate[(size_t)b * hv + h]))));
+  const float beta = round_to<T>(sigmoid(to_float<T>(bgate[(size_t)b * hv + h])));
   const float decay = expf(g);
 
   float part = 0.f;
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const float n = round_to<T>(o * rsqrtf(total / dv + eps));
     const float t = round_to<T>(to_float<T>(norm_w[j]) * n);
     const float zz = to_float<T>(z[((size_t)b * hv + h) * dv + j]);
-    out[((size_t)b * hv + h) * dv + j] = from_float<T>(t * (zz / (1.f + expf(-zz))));
+    out[((size_t)b * hv + h) * dv + j] = from_float<T>(t * silu(zz));
   }
 }
 
@@ -170,9 +170,7 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
           reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps);
     };
-    if (dk == 64) launch(std::integral_constant<int, 64>{});
-    else if (dk == 128) launch(std::integral_constant<int, 128>{});
-    else launch(std::integral_constant<int, 256>{});
+    with_head_dim(dk, launch);
   });
   return out;
 }

@@ -73,6 +73,20 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
+// One 32-wide k block of a warp's 16-row tile: lane (g, t) holds 16 bytes of weight rows g (wl) and g + 8
+// (wh) at k = kk..kk+7 and multiplies them with the same k of x row g of each group of 8 batch rows.
+template <typename T, int NB>
+__device__ __forceinline__ void kblock_mma(const uint4& wl, const uint4& wh, const T* __restrict__ x, int m, int k,
+                                           int kk, bool in, float acc[NB][4]) {
+  const int g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const uint4 xv = in && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
+    mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
+    mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
+  }
+}
+
 // acc[NB][4]: C fragments (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j) over k blocks
 // [kb0, kb1). Weight loads of kUnroll k blocks are in flight together (per row, one load instruction covers
 // 64 contiguous bytes and a round 256 bytes); x is read per k block (L1 hits).
@@ -96,13 +110,7 @@ __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int kk = (kb + u) * 32 + t * 8;
-      const bool in = kk < kend;
-#pragma unroll
-      for (int j = 0; j < NB; ++j) {
-        const uint4 xv = in && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
-        mma16816<T>(acc[j], wl[u].x, wh[u].x, wl[u].y, wh[u].y, xv.x, xv.y);
-        mma16816<T>(acc[j], wl[u].z, wh[u].z, wl[u].w, wh[u].w, xv.z, xv.w);
-      }
+      kblock_mma<T, NB>(wl[u], wh[u], x, m, k, kk, kk < kend, acc);
     }
   }
 }
@@ -150,12 +158,7 @@ __device__ __forceinline__ void slot_dot(const char* slot, const T* __restrict__
     const int c = kb * 4 + t, kk = k0 + c * 8;
     const uint4 wl = *reinterpret_cast<const uint4*>(slot + g * 256 + ((c ^ g) * 16));
     const uint4 wh = *reinterpret_cast<const uint4*>(slot + (g + 8) * 256 + ((c ^ g) * 16));  // (g + 8) & 7 == g
-#pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      const uint4 xv = kk < kend && j * 8 + g < m ? ld_cached(x + (size_t)(j * 8 + g) * k + kk) : make_uint4(0, 0, 0, 0);
-      mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
-      mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
-    }
+    kblock_mma<T, NB>(wl, wh, x, m, k, kk, kk < kend, acc);
   }
 }
 
@@ -203,7 +206,7 @@ __device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row,
   if (row >= a.n[wi] || col >= a.m) return;
   const size_t o = (size_t)col * a.n[wi] + row;
   if constexpr (EPI == Epilogue::SiluMul) {
-    v = v / (1.f + expf(-v)) * up;
+    v = silu(v) * up;
   } else {
     if (a.bias[wi]) v += to_float<T>(a.bias[wi][row]);
     if (a.residual) v = round_to<T>(v) + to_float<T>(a.residual[o]);
@@ -430,10 +433,7 @@ int choose_splits(int groups, int kblocks) {
 
 // SEGKI_GEMV_MMA=staged selects the cp.async-ring variant of the tensor-core kernel (default: direct loads).
 // Read on every launch, so one process can compare both (a captured graph keeps the kernel it captured).
-inline bool staged_mma() {
-  const char* v = std::getenv("SEGKI_GEMV_MMA");
-  return v != nullptr && std::string(v) == "staged";
-}
+inline bool staged_mma() { return env_is("SEGKI_GEMV_MMA", "staged"); }
 
 template <typename T, int NB, Epilogue EPI, bool STAGED>
 void launch_mma(const GemvArgs<T>& a, int groups, int splits, cudaStream_t stream) {
@@ -564,7 +564,7 @@ __global__ void silu_mul_kernel(const T* __restrict__ gate, const T* __restrict_
     unpack8<T>(ld_cached(gate + i * 8), g);
     unpack8<T>(ld_cached(up + i * 8), u);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) g[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    for (int j = 0; j < 8; ++j) g[j] = silu(g[j]) * u[j];
     *reinterpret_cast<uint4*>(out + i * 8) = pack8<T>(g);
   }
 }
