@@ -234,7 +234,7 @@ def test_public_exports():
 
 def test_attention_decode_takes_rope_tables_broadcast_over_rows(tmp_path):
     """Position embeddings computed for one row ([1, 1, R]) serve every row, as the model's own code allows."""
-    from segki_lightning.inject.verify_decode import _ProbeCache
+    from segki_lightning.inject.verify import _ProbeCache
 
     model = build_model("qwen3_5", tmp_path)
     apply_segment_ki(model)

@@ -15,7 +15,7 @@ from . import forwards as fw
 from .report import KINDS, SegmentReport
 from .structure import (Mismatch, match_attention, match_attention_qkv, match_decoder_layer, match_gated_mlp,
                         match_gdn, match_rms_norm)
-from .verify_decode import attention_decode_error
+from .verify import attention_decode_error, relative_error, tolerance
 
 log = logging.getLogger("segki_lightning")
 _NEED_PROBE = ("decoder_layer", "attention")  # kept only when verified
@@ -239,7 +239,7 @@ def _segment_error(s: _Segment, record: tuple) -> float | None:
     err = _owner_error(s.owner, record)
     if err is None and s.kind == "attention":
         spec = s.installs[0][2]
-        tables = spec.signature.bind(*record[0], **record[1]).arguments.get("position_embeddings")
+        tables = spec.inputs(record[0], record[1])[2]
         if tables is None:
             return float("nan")
         try:
@@ -256,6 +256,5 @@ def _owner_error(owner: nn.Module, record: tuple) -> float | None:
     with _eval_no_grad(owner):
         out = owner(*args, **kwargs)
     out = out[0] if isinstance(out, tuple) else out
-    tol = 1e-4 if expected.dtype == torch.float32 else 3e-2
-    err = ((out.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
-    return None if err < tol else err
+    err = relative_error(out, expected)
+    return None if err < tolerance(expected.dtype) else err

@@ -96,17 +96,20 @@ class AttentionSpec:
     signature: inspect.Signature  # of the original forward
     original_forward: Any
 
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[Tensor, Any, tuple[Tensor, Tensor] | None]:
+        """``(hidden_states, cache, (cos, sin))`` of a call in the original forward's signature."""
+        arguments = self.signature.bind(*args, **kwargs).arguments
+        extra = next((v for n, v in arguments.items()
+                      if self.signature.parameters[n].kind is inspect.Parameter.VAR_KEYWORD), {})
+        cache = arguments.get("cache", extra.get("past_key_values"))
+        return next(iter(arguments.values())), cache, arguments.get("position_embeddings")
+
 
 def attention_forward(self: nn.Module, *args: Any, **kwargs: Any):
     """The module's own signature (bound against the original forward): a one-token step on the engine's
     cache runs the fused decode; everything else (prefill, training, transformers caches) the original."""
     s: AttentionSpec = spec(self)
-    arguments = s.signature.bind(*args, **kwargs).arguments
-    x = next(iter(arguments.values()))
-    extra = next((v for n, v in arguments.items()
-                  if s.signature.parameters[n].kind is inspect.Parameter.VAR_KEYWORD), {})
-    cache = arguments.get("cache", extra.get("past_key_values"))
-    rope_tables = arguments.get("position_embeddings")
+    x, cache, rope_tables = s.inputs(args, kwargs)
     if hasattr(cache, "segki_attention_state") and x.shape[1] == 1 and rope_tables is not None:
         return _attention_decode(self, s, x, rope_tables, *cache.segki_attention_state(self.layer_idx)), None
     return s.original_forward(*args, **kwargs)

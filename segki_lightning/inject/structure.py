@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .forwards import AttentionSpec, GDNSpec, LayerSpec, NormSpec, QKVGroup
+from .verify import relative_error
 
 MIXERS = ("self_attn", "linear_attn")
 
@@ -68,7 +69,7 @@ ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_norm"
 def match_attention(m: nn.Module, original_forward) -> AttentionSpec:
     """Softmax attention with separate q/k/v/o projections, optional per-head q/k RMSNorms, and optionally
     Qwen3.5's output gate (q_proj twice as wide as o_proj's input). Whatever the structure cannot show
-    (RoPE form, scaling, gate semantics) the decode probe in :mod:`.verify_decode` checks."""
+    (RoPE form, scaling, gate semantics) the decode probe in :mod:`.verify` checks."""
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         check_plain_linear(getattr(m, name, None), name, bias_ok=True)
     extra = {n for n, _ in m.named_children()} - ATTENTION_CHILDREN
@@ -132,10 +133,6 @@ def _eps(norm: object) -> float:
     raise Mismatch("norm has no float eps / variance_epsilon")
 
 
-def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
-
-
 def match_rms_norm(m: nn.Module) -> NormSpec:
     """An RMSNorm in the ``w`` or ``1 + w`` form, told apart by running the module on a random probe."""
     params = dict(m.named_parameters(recurse=False))
@@ -157,7 +154,7 @@ def match_rms_norm(m: nn.Module) -> NormSpec:
         from ..ops import reference
         tol = 1e-5 if w.dtype == torch.float32 else 2e-2
         for unit_offset in (False, True):
-            if _rel_err(out, reference.rms_norm(x, w, eps, unit_offset)) < tol:
+            if relative_error(out, reference.rms_norm(x, w, eps, unit_offset)) < tol:
                 return NormSpec(eps, unit_offset)
     raise Mismatch("output is neither w * rmsnorm(x) nor (1 + w) * rmsnorm(x)")
 

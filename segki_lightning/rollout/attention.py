@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
 from .. import ops
@@ -46,8 +45,3 @@ def attention_implementation(model: nn.Module, name: str | None):
         for k, c in configs.items():
             c._attn_implementation = saved[k]
 
-
-def valid_mask(lengths: Tensor, max_seq: int, dtype: torch.dtype) -> Tensor:
-    """Additive 4-D mask ``[B, 1, 1, S]`` (0 on ``[0, lengths[b])``, -inf after) for plain attention."""
-    keep = torch.arange(max_seq, device=lengths.device)[None, :] < lengths[:, None]
-    return torch.zeros(keep.shape, dtype=dtype, device=lengths.device).masked_fill(~keep, float("-inf"))[:, None, None]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..ops.reference import write_token
+
 
 @dataclass
 class LayerLayout:
@@ -94,9 +96,7 @@ class StaticHybridCache:
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Write ``[B, Hkv, 1, D]`` at each row's length; return the full ``[B, Hkv, S, D]`` buffers."""
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        rows = torch.arange(k.shape[0], device=k.device)
-        k[rows, :, self.lengths] = key_states[:, :, 0].to(k.dtype)
-        v[rows, :, self.lengths] = value_states[:, :, 0].to(v.dtype)
+        write_token(k, v, key_states[:, :, 0], value_states[:, :, 0], self.lengths)
         return k, v
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> Tensor:

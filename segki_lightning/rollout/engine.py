@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..inject import apply_segment_ki
-from .attention import NAME as SEGKI_ATTENTION, attention_implementation, register, valid_mask
+from ..ops.reference import valid_mask
+from .attention import NAME as SEGKI_ATTENTION, attention_implementation, register
 from .batch import RolloutBatch, RolloutStats
 from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig

@@ -41,10 +41,21 @@ def attention_prologue(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
     if q_norm_w is not None:
         q, k = rms_norm(q, q_norm_w, eps, unit_offset), rms_norm(k, k_norm_w, eps, unit_offset)
     q, k = rope(q, cos, sin), rope(k, cos, sin)
-    rows = torch.arange(bsz, device=k_cache.device)
-    k_cache[rows, :, positions] = k.to(k_cache.dtype)
-    v_cache[rows, :, positions] = v.view(bsz, hkv, d).to(v_cache.dtype)
+    write_token(k_cache, v_cache, k, v.view(bsz, hkv, d), positions)
     return q.contiguous()
+
+
+def write_token(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    """Row b's key and value ``[B, Hkv, D]`` into ``k_cache/v_cache [B, Hkv, S, D]`` at ``positions[b]``."""
+    rows = torch.arange(k_cache.shape[0], device=k_cache.device)
+    k_cache[rows, :, positions] = k.to(k_cache.dtype)
+    v_cache[rows, :, positions] = v.to(v_cache.dtype)
+
+
+def valid_mask(lengths: Tensor, max_seq: int, dtype: torch.dtype) -> Tensor:
+    """Additive 4-D mask ``[B, 1, 1, S]`` (0 on ``[0, lengths[b])``, -inf after) for plain attention."""
+    keep = torch.arange(max_seq, device=lengths.device)[None, :] < lengths[:, None]
+    return torch.zeros(keep.shape, dtype=dtype, device=lengths.device).masked_fill(~keep, float("-inf"))[:, None, None]
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float,
