@@ -6,6 +6,18 @@ from dataclasses import dataclass, field
 import torch
 
 
+def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists right-aligned in one batch: ``ids [N, P]`` (``pad`` before each sequence) and
+    ``mask [N, P]`` (1 on real tokens), P the longest length; CPU tensors."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for j, s in enumerate(seqs):
+        ids[j, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[j, width - len(s):] = 1
+    return ids, mask
+
+
 @dataclass
 class RolloutStats:
     prefill_s: float = 0.0       # wall seconds of all prefills

@@ -20,7 +20,7 @@ from .. import ops
 from ..inject import apply_segment_ki
 from ..ops.reference import valid_mask
 from .attention import NAME as SEGKI_ATTENTION, attention_implementation, register
-from .batch import RolloutBatch, RolloutStats
+from .batch import RolloutBatch, RolloutStats, left_pad
 from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
 
@@ -223,13 +223,8 @@ class RolloutEngine:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         for g0 in range(0, len(order), PREFILL_GROUP):
             group = order[g0:g0 + PREFILL_GROUP]
-            width = max(len(prompts[i]) for i in group)
-            ids = torch.full((len(group), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(group), width), dtype=torch.long)
-            for j, i in enumerate(group):
-                ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[j, width - len(prompts[i]):] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
+            ids, mask = (t.to(self.device) for t in left_pad([prompts[i] for i in group], self.pad))
+            width = ids.shape[1]
             positions = (mask.cumsum(1) - 1).clamp_min(0)
             out = self.model(input_ids=ids, attention_mask=mask if len(group) > 1 else None,
                              position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -298,12 +293,7 @@ class RolloutEngine:
     def _collect(self, prompts, sampling: SamplingConfig, n_rows: int, stats: RolloutStats) -> RolloutBatch:
         t, n = sampling.max_new_tokens, sampling.n
         st = self.state.rows(n_rows)
-        width = max(len(p) for p in prompts)
-        prompt_ids = torch.full((n_rows, width), self.pad, dtype=torch.long)
-        prompt_mask = torch.zeros((n_rows, width), dtype=torch.long)
-        for i, ids in enumerate(prompts):
-            prompt_ids[i * n:(i + 1) * n, width - len(ids):] = torch.tensor(ids)
-            prompt_mask[i * n:(i + 1) * n, width - len(ids):] = 1
+        prompt_ids, prompt_mask = (t.repeat_interleave(n, dim=0) for t in left_pad(prompts, self.pad))  # [N, P]
         mask = st.out_mask[:, :t].clone()
         stats.tokens = int(mask.sum())
         return RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
