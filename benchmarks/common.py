@@ -85,8 +85,9 @@ def write_results(out: Path, name: str, rows: list[dict], columns: list[str], he
     the run's kernel switches when any is set."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
-    if kernel_switches():
-        header += f"\n\nKernel switches in the environment: `{kernel_switches()}`"
+    switches = kernel_switches()
+    if switches:
+        header += f"\n\nKernel switches in the environment: `{switches}`"
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
