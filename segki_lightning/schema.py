@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rl.grpo import GRPOConfig
-from .rl.ppo import PPOConfig
+from .rl.config import GRPOConfig, PPOConfig
 
 
 @dataclass
@@ -15,6 +14,7 @@ class ModelConf:
     hidden_size: int = 64
     num_layers: int = 4
     seed: int = 0
+    gradient_checkpointing: bool = False   # transformers' activation checkpointing of the decoder layers
 
 
 @dataclass

@@ -23,10 +23,13 @@ def build_policy(cfg):
     from .rl.task import char_tokenizer
 
     if cfg.model.pretrained:
-        return load_pretrained(cfg.model.pretrained, cfg.model.dtype)
-    tok = char_tokenizer()
-    model = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id, cfg.model.hidden_size, cfg.model.num_layers,
-                        cfg.model.dtype, cfg.model.seed)
+        model, tok = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
+    else:
+        tok = char_tokenizer()
+        model = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id, cfg.model.hidden_size,
+                            cfg.model.num_layers, cfg.model.dtype, cfg.model.seed)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tok
 
 
@@ -62,8 +65,7 @@ def run(cfg) -> dict:
     from omegaconf import OmegaConf
 
     from .lightning import RankConsistency, SegKICallback
-    from .rl.grpo import GRPOConfig, GRPOModule
-    from .rl.ppo import PPOConfig, PPOModule
+    from .rl import GRPOConfig, GRPOModule, PPOConfig, PPOModule
 
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)

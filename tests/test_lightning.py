@@ -12,8 +12,8 @@ import torch
 
 from segki_lightning.lightning import SegKICallback
 from segki_lightning.rl import ExactMatch, FormatRegex, GRPOConfig, GRPOModule, LengthPenalty, WeightedReward
-from segki_lightning.rl.grpo import group_advantages, grpo_loss
-from segki_lightning.rl.ppo import PPOConfig, gae, ppo_loss
+from segki_lightning.rl import gae, group_advantages, grpo_loss, ppo_loss
+from segki_lightning.rl import PPOConfig
 from segki_lightning.train import CONFIGS, RECIPES, run
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,13 @@
-"""RL algorithms as LightningModules, rewards, tasks and policy construction."""
-from .grpo import GRPOConfig, GRPOModule, group_advantages, grpo_loss
-from .ppo import PPOConfig, PPOModule, gae, ppo_loss
+"""The RL pipeline, one concept a module: config (TRL names) -> rewards -> advantages -> log-probs (chunked)
+-> losses -> update (micro-batches) and optim (master weights) -> the LightningModules (grpo, ppo)."""
+from .advantages import gae, group_advantages, masked_whiten
+from .config import GRPOConfig, PPOConfig, RLConfig
+from .grpo import GRPOModule
+from .losses import Totals, grpo_loss, ppo_loss
+from .optim import MasterWeightOptimizer
+from .ppo import PPOModule
 from .rewards import ExactMatch, FormatRegex, LengthPenalty, WeightedReward
 
-__all__ = ["ExactMatch", "FormatRegex", "GRPOConfig", "GRPOModule", "LengthPenalty", "PPOConfig", "PPOModule",
-           "WeightedReward", "gae", "group_advantages", "grpo_loss", "ppo_loss"]
+__all__ = ["ExactMatch", "FormatRegex", "GRPOConfig", "GRPOModule", "LengthPenalty", "MasterWeightOptimizer",
+           "PPOConfig", "PPOModule", "RLConfig", "Totals", "WeightedReward", "gae", "group_advantages", "grpo_loss",
+           "masked_whiten", "ppo_loss"]

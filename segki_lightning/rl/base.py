@@ -1,4 +1,5 @@
-"""What GRPO and PPO share: rollout + scoring of a prompt batch, the optimizer, step timing and logging."""
+"""What GRPO and PPO share: rollout + scoring of a prompt batch, token scores of row slices, the optimizer
+(fp32 master weights for half-precision models), micro-batched steps, step timing and logging."""
 from __future__ import annotations
 
 import json
@@ -9,27 +10,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..lightning import SegKIRolloutMixin
 from ..rollout import RolloutBatch, SamplingConfig
+from .logprobs import TokenScores, completion_logprobs
+from .optim import build_optimizer
 from .rewards import WeightedReward, score
 from .task import decode
-
-
-@dataclass
-class RLConfig:
-    """Sampling and optimisation settings every algorithm has (TRL names)."""
-
-    num_generations: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_completion_length: int = 16
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    log_completions_every: int = 50
-    seed: int = 0
+from .update import LossFn, accumulate
 
 
 @dataclass
@@ -58,8 +48,43 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._last_rollout_s = 0.0
 
     def configure_optimizers(self):
-        params = [p for p in self.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.cfg.learning_rate, weight_decay=self.cfg.weight_decay)
+        c = self.cfg
+        return build_optimizer(self.parameters(), c.learning_rate, c.weight_decay, c.master_weights)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
+        """Nothing here: Lightning zeroes between ``training_step`` and its backward, which would drop the
+        micro-batches ``training_step`` has already back-propagated. :meth:`optimizer_step` zeroes instead,
+        right after each step (so ``accumulate_grad_batches`` still sums over its batches)."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        optimizer.step(closure=optimizer_closure)
+        optimizer.zero_grad(set_to_none=True)
+
+    def scores(self, model: nn.Module, ro: RolloutBatch, rows: slice, value_head: nn.Module | None = None
+               ) -> TokenScores:
+        """Token scores of rows ``rows`` of a rollout under ``model`` (``[n, T]`` each), on the columns those
+        rows use: prompt columns that are padding in every row and completion columns past the longest
+        completion are not computed (their scores are 0)."""
+        pm, cm = ro.prompt_mask[rows], ro.completion_mask[rows]
+        first = int(pm.any(0).int().argmax()) if pm.any() else pm.shape[1] - 1
+        width = max(int(cm.sum(1).max()), 1)
+        s = completion_logprobs(model, ro.prompt_ids[rows, first:], pm[:, first:], ro.completion_ids[rows, :width],
+                                cm[:, :width], self.cfg.temperature, value_head, self.cfg.logprob_chunk)
+        pad = cm.shape[1] - width
+        return TokenScores(*(None if t is None else F.pad(t, (0, pad)) for t in s))
+
+    def accumulate(self, rows: int, loss_fn: LossFn) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``loss_fn`` over micro-batches of ``cfg.micro_batch_size`` rows (see :mod:`.update`)."""
+        return accumulate(rows, self.cfg.micro_batch_size, loss_fn, self._backward)
+
+    def _backward(self, loss: Tensor) -> None:
+        """Back-propagate an intermediate micro-batch the way Lightning back-propagates the step's loss:
+        divided by ``accumulate_grad_batches`` (as Lightning divides what ``training_step`` returns), through the
+        precision plugin (loss scaling, hooks); plain ``backward`` outside a Trainer."""
+        if self._trainer is not None:
+            self.trainer.strategy.backward(loss / self.trainer.accumulate_grad_batches, None)
+        else:
+            loss.backward()
 
     def sampling(self, n: int) -> SamplingConfig:
         c = self.cfg

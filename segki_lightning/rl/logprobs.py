@@ -1,27 +1,168 @@
-"""Per-token log-probabilities of completions under a causal LM, with the prompt left-padded."""
+"""Per-token log-probabilities (and entropy, and value-head outputs) of completions under a causal LM,
+computed from the final hidden states in chunks of tokens: peak memory is bounded by the chunk, never by
+rows x tokens x vocabulary (Qwen3.5's 248k vocabulary makes [N, T, V] fp32 logits ~1 MB per token).
+
+The output projection runs chunk by chunk with an exact custom backward that recomputes each chunk's
+logits; only completion tokens (mask 1) are projected. A model whose logits are not a plain ``lm_head``
+of the last hidden state (soft-capping, scaling) is detected by a one-time probe and takes the plain
+computation instead, announced once."""
 from __future__ import annotations
 
+import logging
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+log = logging.getLogger("segki_lightning")
+CHUNK_BYTES = 1 << 30      # fp32 logits of one chunk: ~1 GiB (about 1080 tokens of a 248k vocabulary)
+_PLAIN_HEAD = "_segki_plain_head"
+
+
+class TokenScores(NamedTuple):
+    """Per completion token, ``[N, T]`` fp32 each, 0 where ``completion_mask`` is 0."""
+
+    logp: Tensor                 # log_softmax(logits / temperature)[token]
+    entropy: Tensor              # entropy of softmax(logits / temperature)
+    values: Tensor | None        # value head on the hidden state before each token (PPO), else None
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """``hidden [M, H]``, ``weight [V, H]``, ``bias [V] | None``, ``targets [M]`` -> ``logp [M]``,
+    ``entropy [M]`` (fp32) of ``softmax(linear(hidden) / temperature)``, ``chunk`` rows at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, temperature: float,
+                chunk: int) -> tuple[Tensor, Tensor]:
+        m, acc = hidden.shape[0], _acc(hidden)
+        logp = torch.empty(m, dtype=acc, device=hidden.device)
+        entropy = torch.empty_like(logp)
+        lse = torch.empty_like(logp)
+        for s in range(0, m, chunk):
+            e = min(s + chunk, m)
+            z = F.linear(hidden[s:e], weight, bias).to(acc).div_(temperature)              # [c, V]
+            lse[s:e] = z.logsumexp(-1)
+            logp[s:e] = z.gather(-1, targets[s:e, None])[:, 0] - lse[s:e]
+            p = (z - lse[s:e, None]).exp_()                                                # [c, V]
+            entropy[s:e] = lse[s:e] - p.mul_(z).sum(-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp: Tensor | None, g_entropy: Tensor | None):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = _acc(hidden)
+        g_hidden = torch.empty_like(hidden) if need_h else None
+        g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        g_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        for s in range(0, hidden.shape[0], chunk):
+            e = min(s + chunk, hidden.shape[0])
+            h = hidden[s:e]                                                               # [c, H]
+            log_p = F.linear(h, weight, bias).to(acc).div_(t).sub_(lse[s:e, None])       # [c, V]
+            p = log_p.exp()                                                               # [c, V]
+            if g_logp is not None:   # d logp / d z_j = [j == target] - p_j
+                gz = p * -g_logp[s:e, None]
+                gz.scatter_add_(-1, targets[s:e, None], g_logp[s:e, None])
+            else:
+                gz = torch.zeros_like(p)
+            if g_entropy is not None:   # d H / d z_j = -p_j (log p_j + H)
+                gz.sub_(log_p.add_(entropy[s:e, None]).mul_(p).mul_(g_entropy[s:e, None]))
+            gz = gz.div_(t).to(hidden.dtype)                                              # d loss / d logits
+            if need_h:
+                g_hidden[s:e] = gz @ weight
+            if need_w:
+                g_weight += (gz.t() @ h).to(acc)
+            if need_b:
+                g_bias += gz.to(acc).sum(0)
+        cast = (lambda g, like: g.to(like.dtype) if g is not None else None)
+        return g_hidden, cast(g_weight, weight), cast(g_bias, bias), None, None, None
+
+
+def _acc(t: Tensor) -> torch.dtype:
+    """Accumulation dtype: fp32, or fp64 for fp64 inputs (gradient checks)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def token_logprobs(hidden: Tensor, head: nn.Linear, targets: Tensor, temperature: float = 1.0,
+                   chunk: int | None = None) -> tuple[Tensor, Tensor]:
+    """``logp``, ``entropy`` ``[M]`` fp32 of ``targets [M]`` under ``softmax(head(hidden [M, H]) / temperature)``,
+    never holding more than ``chunk`` rows of logits (default: ~1 GiB of fp32 logits per chunk)."""
+    if chunk is None:
+        chunk = max(1, CHUNK_BYTES // (4 * head.out_features))
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+    return _ChunkedLogProbs.apply(hidden, head.weight, head.bias, targets, temperature, chunk)
 
 
 def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
-                        completion_mask: Tensor, temperature: float = 1.0,
-                        value_head: nn.Module | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """``log_softmax(logits / T)`` at each completion token: ``[N, P]`` + ``[N, T]`` -> ``[N, T]`` fp32;
-    with ``value_head``, also its values ``[N, T]`` on the last hidden state before each completion token.
+                        completion_mask: Tensor, temperature: float = 1.0, value_head: nn.Module | None = None,
+                        chunk: int | None = None) -> TokenScores:
+    """Scores of each completion token: ``[N, P]`` + ``[N, T]`` -> :class:`TokenScores` of ``[N, T]``.
 
     Positions count only real tokens (left padding does not shift them), so each row sees what it saw
-    alone during the rollout."""
+    alone during the rollout. ``temperature <= 0`` (greedy rollouts) scores at temperature 1."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # [N, P+T]
     mask = torch.cat([prompt_mask, completion_mask], dim=1)                    # [N, P+T]
     positions = (mask.cumsum(1) - 1).clamp_min(0)
+    t = temperature if temperature > 0 else 1.0
+    p = prompt_ids.shape[1]
+    sel = completion_mask.bool()                                               # [N, T]
+    if not _plain_head(model, ids[:1, -8:]):
+        return _plain_scores(model, ids, mask, positions, p, completion_ids, sel, t, value_head)
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                              use_cache=False).last_hidden_state[:, p - 1:-1]  # [N, T, H]
+    logp_m, ent_m = token_logprobs(hidden[sel], model.get_output_embeddings(), completion_ids[sel], t, chunk)
+    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)
+    values = _values(value_head, hidden)
+    return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
+
+
+def _values(value_head: nn.Module | None, hidden: Tensor) -> Tensor | None:
+    """``[N, T]`` fp32 value-head outputs on ``hidden [N, T, H]``."""
+    if value_head is None:
+        return None
+    return value_head(hidden.to(value_head.weight.dtype))[..., 0].float()
+
+
+def _plain_scores(model, ids, mask, positions, p, completion_ids, sel, t, value_head) -> TokenScores:
+    """The whole ``[N, T, V]`` logits at once (models whose logits are more than ``lm_head(hidden)``)."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                 output_hidden_states=value_head is not None)
-    p = prompt_ids.shape[1]
-    logits = out.logits[:, p - 1:-1].float() / (temperature if temperature > 0 else 1.0)   # [N, T, V]
-    logp = torch.log_softmax(logits, -1).gather(-1, completion_ids[..., None])[..., 0]
-    if value_head is None:
-        return logp
-    hidden = out.hidden_states[-1][:, p - 1:-1]                                 # [N, T, H]
-    return logp, value_head(hidden.to(value_head.weight.dtype))[..., 0].float()
+    logits = out.logits[:, p - 1:-1].float() / t                                # [N, T, V]
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(-1, completion_ids[..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    m = sel.float()
+    values = _values(value_head, out.hidden_states[-1][:, p - 1:-1]) if value_head is not None else None
+    return TokenScores(logp * m, entropy * m, values)
+
+
+@torch.no_grad()
+def _plain_head(model: nn.Module, ids: Tensor) -> bool:
+    """Whether ``model``'s logits are exactly ``lm_head(base_model(...).last_hidden_state)``: a plain
+    ``nn.Linear`` head, checked once per model by one tiny forward both ways (eval mode) and cached."""
+    known = model.__dict__.get(_PLAIN_HEAD)
+    if known is not None:
+        return known
+    head, base = model.get_output_embeddings(), getattr(model, "base_model", model)
+    ok = type(head) is nn.Linear and base is not model
+    if ok:
+        was_training = model.training
+        model.eval()
+        try:
+            want = model(input_ids=ids, use_cache=False).logits.float()
+            got = head(base(input_ids=ids, use_cache=False).last_hidden_state).float()
+        finally:
+            model.train(was_training)
+        ok = bool(((got - want).norm() <= 1e-3 * want.norm()).item())
+    if not ok:
+        log.warning("segki: %s's logits are not a plain lm_head of its last hidden state; log-probs take the "
+                    "whole [rows, tokens, vocabulary] logits (memory grows with it: lower micro_batch_size)",
+                    type(model).__name__)
+    model.__dict__[_PLAIN_HEAD] = ok
+    return ok

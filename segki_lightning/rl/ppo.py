@@ -3,74 +3,24 @@ KL penalty to a frozen reference, GAE, whitened advantages, clipped policy and v
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .base import RLConfig, RLModule
-from .logprobs import completion_logprobs
+from .advantages import gae, masked_whiten
+from .base import RLModule
+from .config import PPOConfig
+from .losses import Totals, ppo_loss, token_mean
 from .rewards import WeightedReward
-
-
-@dataclass
-class PPOConfig(RLConfig):
-    """PPO hyper-parameters (TRL names). ``kl_coef = 0`` builds no reference model."""
-
-    gamma: float = 1.0
-    lam: float = 0.95
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    kl_coef: float = 0.05
-    whiten_advantages: bool = True
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
-
-
-def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
-    m = mask.float()
-    mean = (x * m).sum() / m.sum().clamp_min(1)
-    var = (((x - mean) ** 2) * m).sum() / m.sum().clamp_min(1)
-    return (x - mean) * torch.rsqrt(var + 1e-8)
-
-
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over ``[N, T]`` token rewards/values (0 after each row's end):
-    ``(advantages, returns)``."""
-    m = mask.float()
-    values, rewards = values * m, rewards * m
-    adv = torch.zeros_like(values)
-    last = torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
-        nxt = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last)
-        delta = rewards[:, t] + gamma * nxt - values[:, t]
-        last = (delta + gamma * lam * last) * m[:, t]
-        adv[:, t] = last
-    return adv, adv + values
-
-
-def ppo_loss(logp: Tensor, old_logp: Tensor, values: Tensor, old_values: Tensor, adv: Tensor, returns: Tensor,
-             mask: Tensor, cfg: PPOConfig) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped surrogate + ``vf_coef`` * clipped value loss, token means over the batch."""
-    m = mask.float()
-    denom = m.sum().clamp_min(1)
-    ratio = torch.exp(logp - old_logp)
-    pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cfg.cliprange, 1 + cfg.cliprange))
-    v_clip = old_values + (values - old_values).clamp(-cfg.cliprange_value, cfg.cliprange_value)
-    vf = 0.5 * torch.max((values - returns) ** 2, (v_clip - returns) ** 2)
-    pg_loss, vf_loss = (pg * m).sum() / denom, (vf * m).sum() / denom
-    clipped = ((ratio - 1).abs() > cfg.cliprange).float()
-    return pg_loss + cfg.vf_coef * vf_loss, dict(pg_loss=pg_loss.detach(), vf_loss=vf_loss.detach(),
-                                                 clip_ratio=(clipped * m).sum() / denom)
+from .update import micro_batches
 
 
 class PPOModule(RLModule):
     """One PPO update per rollout. The sequence reward lands on each completion's last token; every token
-    also pays ``-kl_coef * (logp - ref_logp)``.
+    also pays ``-kl_coef * (logp - ref_logp)``. As in TRL, a no-grad pass (in micro-batches) first gives the
+    old log-probs, values and reference log-probs of every row, from which the advantages are computed over
+    the whole batch; then the update runs in micro-batches of ``micro_batch_size`` rows.
 
     Args:
         policy: a Hugging Face causal LM; the value head reads its last hidden state.
@@ -89,26 +39,41 @@ class PPOModule(RLModule):
         if self.cfg.kl_coef > 0:
             self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
 
+    @torch.no_grad()
+    def old_scores(self, ro) -> tuple[Tensor, Tensor, Tensor]:
+        """``old_logp``, ``old_values``, ``kl`` (to the reference) ``[N, T]`` of every row, micro-batched."""
+        logp, values, kl = [], [], []
+        for rows in micro_batches(len(ro), self.cfg.micro_batch_size):
+            sc = self.scores(self.policy, ro, rows, self.value_head)
+            logp.append(sc.logp)
+            values.append(sc.values)
+            ref = self.scores(self.reference, ro, rows).logp if self.reference is not None else sc.logp
+            kl.append(sc.logp - ref)
+        return torch.cat(logp), torch.cat(values), torch.cat(kl)
+
     def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor:
         cfg = self.cfg
         s = self.rollout_and_score(batch, cfg.num_generations)
         ro = s.batch
-        args = (ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask, cfg.temperature)
-        logp, values = completion_logprobs(self.policy, *args, value_head=self.value_head)     # [N, T] x2
         mask = ro.completion_mask
-        with torch.no_grad():
-            kl = torch.zeros_like(logp)
-            if self.reference is not None:
-                kl = logp.detach() - completion_logprobs(self.reference, *args)
-            token_rewards = -cfg.kl_coef * kl
-            last = (mask.sum(1) - 1).clamp_min(0)
-            token_rewards[torch.arange(len(last), device=last.device), last] += s.rewards
-            adv, returns = gae(token_rewards, values.detach(), mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                adv = masked_whiten(adv, mask)
-        loss, stats = ppo_loss(logp, logp.detach(), values, values.detach(), adv, returns, mask, cfg)
         m = mask.float()
-        self.log_common(s, loss, len(batch["prompt"]), kl=(kl * m).sum() / m.sum().clamp_min(1),
-                        clip_ratio=stats["clip_ratio"], pg_loss=stats["pg_loss"], vf_loss=stats["vf_loss"],
-                        value=(values.detach() * m).sum() / m.sum().clamp_min(1))
+        old_logp, old_values, kl = self.old_scores(ro)                                  # [N, T] each
+        token_rewards = -cfg.kl_coef * kl
+        last = (mask.sum(1) - 1).clamp_min(0)
+        token_rewards[torch.arange(len(last), device=last.device), last] += s.rewards
+        adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            adv = masked_whiten(adv, mask)
+        totals = Totals.of(mask)
+
+        def loss_fn(rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
+            sc = self.scores(self.policy, ro, rows, self.value_head)
+            loss, stats = ppo_loss(sc.logp, old_logp[rows], sc.values, old_values[rows], adv[rows], returns[rows],
+                                   mask[rows], cfg, totals)
+            stats["entropy"] = token_mean(sc.entropy.detach(), m[rows], totals)
+            return loss, stats
+
+        loss, total, stats = self.accumulate(len(ro), loss_fn)
+        self.log_common(s, total, len(batch["prompt"]), kl=(kl * m).sum() / m.sum().clamp_min(1),
+                        value=(old_values * m).sum() / m.sum().clamp_min(1), **stats)
         return loss

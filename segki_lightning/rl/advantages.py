@@ -1,0 +1,40 @@
+"""Advantages: GRPO's group-normalised rewards, PPO's generalised advantage estimation and whitening."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group: int, scale: str) -> Tensor:
+    """``[N]`` rewards (prompt-major groups of ``group``) -> advantages ``r - mean_group``, divided by the
+    group's or the batch's std (+1e-4) unless ``scale == "none"``."""
+    r = rewards.view(-1, group)
+    adv = r - r.mean(1, keepdim=True)
+    if scale == "group":
+        adv = adv / (r.std(1, keepdim=True) + 1e-4)
+    elif scale == "batch":
+        adv = adv / (rewards.std() + 1e-4)
+    return adv.reshape(-1)
+
+
+def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """``(x - mean) / std`` over the tokens where ``mask`` is 1."""
+    m = mask.float()
+    mean = (x * m).sum() / m.sum().clamp_min(1)
+    var = (((x - mean) ** 2) * m).sum() / m.sum().clamp_min(1)
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over ``[N, T]`` token rewards/values (0 after each row's end):
+    ``(advantages, returns)``."""
+    m = mask.float()
+    values, rewards = values * m, rewards * m
+    adv = torch.zeros_like(values)
+    last = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        nxt = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * nxt - values[:, t]
+        last = (delta + gamma * lam * last) * m[:, t]
+        adv[:, t] = last
+    return adv, adv + values
