@@ -265,3 +265,50 @@ def test_gradient_checkpointing_keeps_gradients_with_injected_segments(tmp_path)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     assert_gradients_close(grads(), want)
+
+
+# ------------------------------------------------------------------------- GDN training without fla's backward
+def test_gdn_guard_routes_the_models_own_training_to_the_torch_rule(tmp_path, monkeypatch):
+    """Stand-in for flash-linear-attention refusing its backward (Hopper, Triton < 3.7.1): the model's own
+    (uninjected) GDN forward dispatches to a rule that raises when gradients are recorded. With the guard the
+    training forward/backward runs the torch rule and gives the unguarded torch result; no-grad passes keep
+    the dispatching rule; undo restores it."""
+    import functools
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+    from segki_lightning.inject.gdn_training import RULE, guard_transformers_gdn
+    from segki_lightning.rl.logprobs import completion_logprobs
+
+    torch_rule = inspect.unwrap(getattr(mq, RULE))
+    calls = {"fla": 0}
+
+    @functools.wraps(torch_rule)
+    def refusing(*args, **kwargs):
+        calls["fla"] += 1
+        if torch.is_grad_enabled():
+            raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results")
+        return torch_rule(*args, **kwargs)
+
+    model = build_model("qwen3_5", tmp_path).train()
+    batch = ragged_batch()
+    want = completion_logprobs(model, *batch).logp
+    want_grads = torch.autograd.grad(want.sum(), list(model.parameters()), allow_unused=True)
+    monkeypatch.setattr(mq, RULE, refusing)
+    with pytest.raises(RuntimeError, match="Hopper"):
+        completion_logprobs(model, *batch)
+    undo = guard_transformers_gdn(force=True)
+    try:
+        got = completion_logprobs(model, *batch).logp
+        got_grads = torch.autograd.grad(got.sum(), list(model.parameters()), allow_unused=True)
+        before = calls["fla"]
+        with torch.no_grad():
+            completion_logprobs(model, *batch)
+        assert calls["fla"] > before       # no-grad passes still take the dispatching rule
+    finally:
+        undo()
+    assert getattr(mq, RULE) is refusing
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(got_grads, want_grads):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))

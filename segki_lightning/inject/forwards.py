@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import reference
+from .gdn_training import fla_backward_ok
 
 SPEC = "_segki_spec"
 
@@ -143,21 +144,12 @@ class GDNSpec:
     original_forward: Any  # the forward used for caches this package does not own
 
 
-def _fla_backward_ok() -> bool:
-    """flash-linear-attention refuses its gated chunk backward on Hopper with Triton in [3.4, 3.7.1)."""
-    try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except ImportError:
-        return True
-    return not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
-
-
 def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
     """Whole-sequence gated delta rule from a zero state: flash-linear-attention's chunked kernel on CUDA
     when it is installed (and, when gradients are needed, its backward works with this Triton), else the
     chunked torch reference. ``[B, T, H*, D*]`` -> ``[B, T, Hv, Dv]``."""
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    if q.is_cuda and (not needs_grad or _fla_backward_ok()):
+    if q.is_cuda and (not needs_grad or fla_backward_ok()):
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
         except ImportError:

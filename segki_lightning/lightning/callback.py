@@ -8,6 +8,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ..inject import remove_segment_ki
+from ..inject.gdn_training import guard_transformers_gdn
 from ..rollout import RolloutEngine
 
 SHARDED = ("FSDP", "DeepSpeed", "ModelParallel")
@@ -18,7 +19,8 @@ class SegKICallback(pl.Callback):
 
     Injection happens in ``on_fit_start``, after Lightning has moved the module to its device and applied
     the precision plugin (``setup`` runs before both). ``teardown`` removes the injection and frees the
-    graphs and cache.
+    graphs and cache. Where flash-linear-attention's GDN backward refuses the installed Triton, the model's
+    own GDN layers train on transformers' torch rule for the fit (also with ``use_segki=False``).
 
     Args:
         use_segki: inject fused segments (else the plain forward, still with the static cache).
@@ -41,6 +43,7 @@ class SegKICallback(pl.Callback):
         self.use_segki, self.graph_capture = use_segki, graph_capture
         self.max_batch_size, self.max_seq_len, self.policy_attr = max_batch_size, max_seq_len, policy_attr
         self._engine: RolloutEngine | None = None
+        self._unguard: Any = None
         self._rollouts = 0
         self._tokens = 0
 
@@ -61,6 +64,7 @@ class SegKICallback(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         policy = getattr(pl_module, self.policy_attr)
+        self._unguard = guard_transformers_gdn()   # the model's own GDN layers, where fla cannot train
         self._engine = RolloutEngine(policy, max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                                      use_segki=self.use_segki, graph_capture=self.graph_capture,
                                      eos_token_id=getattr(pl_module, "eos_token_id", None),
@@ -80,6 +84,9 @@ class SegKICallback(pl.Callback):
         if self._engine is not None:
             self._engine.free()
             self._engine = None
+        if self._unguard is not None:
+            self._unguard()
+            self._unguard = None
         if hasattr(pl_module, self.policy_attr):
             remove_segment_ki(getattr(pl_module, self.policy_attr))
         pl_module.__dict__.pop("_segki_callback", None)

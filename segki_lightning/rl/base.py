@@ -46,6 +46,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.pad_token_id = tokenizer.pad_token_id
         self._step_started = 0.0
         self._last_rollout_s = 0.0
+        self._last_train_tokens = 0
 
     def configure_optimizers(self):
         c = self.cfg
@@ -96,6 +97,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         ro = self.rollout(batch["prompt"], self.sampling(n))
         rollout_s = time.perf_counter() - t0
         self._last_rollout_s = rollout_s
+        self._last_train_tokens = int(ro.prompt_mask.sum() + ro.completion_mask.sum())
         texts = decode(self.tokenizer, ro.completion_ids, ro.completion_mask)
         columns = {k: [v for v in vals for _ in range(n)] for k, vals in batch.items() if k != "prompt"}
         prompts = [p for p in batch["prompt"] for _ in range(n)]
@@ -122,18 +124,25 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:4]])
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Wall time of the whole step (rollout, scoring, forward, backward, optimizer; the GPU's queue
-        drained) and the rollout's share of it."""
+        drained), the rollout's share of it, trained tokens (prompt + completion) per second of the rest,
+        and the step's peak GPU memory."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.log("memory/peak_gib", torch.cuda.max_memory_allocated(self.device) / 2**30,
+                     batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
         step_s = max(time.perf_counter() - self._step_started, 1e-9)
         kw = dict(batch_size=len(batch["prompt"]), sync_dist=True)
         self.log("rollout/time_share", self._last_rollout_s / step_s, **kw)
         self.log("time/step_s", step_s, **kw)
         self.log("time/rollout_s", self._last_rollout_s, **kw)
+        self.log("time/train_tokens_per_s", self._last_train_tokens / max(step_s - self._last_rollout_s, 1e-9),
+                 batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="sum")
 
     def _log_completions(self, rows: list[dict]) -> None:
         """A few sample completions: a TensorBoard text table when that logger is present, else a JSONL
