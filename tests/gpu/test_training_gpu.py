@@ -72,7 +72,7 @@ def test_chunked_logprobs_match_and_hold_less_memory(tmp_path):
                             layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=0,
                             eos_token_id=1, bos_token_id=None)
     model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).cuda().train()
-    ids = torch.randint(2, 65536, (16, 33), device="cuda")
+    ids = torch.randint(2, 65536, (32, 65), device="cuda")
     ones = torch.ones_like(ids)
     args = (ids[:, :1], ones[:, :1], ids[:, 1:], ones[:, 1:])
 
