@@ -7,6 +7,7 @@ A forward finds its static facts (eps, norm form, sibling modules) in a spec sto
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,6 +219,16 @@ class LayerSpec:
 
 
 def decoder_layer_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """The fused layer; under transformers' activation checkpointing (which wraps the class's ``forward``, not
+    this instance one) it checkpoints itself the same way: recomputed in the backward, activations not kept."""
+    if getattr(self, "gradient_checkpointing", False) and self.training and torch.is_grad_enabled():
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("use_cache", "cache", "past_key_values")}
+        return self._gradient_checkpointing_func(functools.partial(_decoder_layer, self, **kwargs), hidden_states,
+                                                 *args)
+    return _decoder_layer(self, hidden_states, *args, **kwargs)
+
+
+def _decoder_layer(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
     s: LayerSpec = spec(self)
     bound = s.signature.bind(hidden_states, *args, **kwargs)
     mixer_kwargs: dict[str, Any] = {}
