@@ -318,3 +318,12 @@ def test_gdn_guard_routes_the_models_own_training_to_the_torch_rule(tmp_path, mo
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for a, b in zip(got_grads, want_grads):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_a_pretrained_policy_trains_in_train_mode():
+    """``from_pretrained`` gives eval-mode models and Lightning keeps submodule modes: the module switches the
+    policy to train mode when training starts (else activation checkpointing would be silently off)."""
+    m = module("grpo")
+    m.policy.eval()
+    m.on_train_start()
+    assert m.policy.training and all(x.training for x in m.policy.modules())

@@ -123,6 +123,12 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             self._log_completions([dict(step=self.global_step, prompt=p, completion=c, reward=float(r))
                                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:4]])
 
+    def on_train_start(self) -> None:
+        """The policy trains in train mode (Lightning keeps each submodule's mode, and ``from_pretrained``
+        returns models in eval mode: activation checkpointing and dropout would silently be off); the
+        reference model stays in eval mode."""
+        self.policy.train()
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
