@@ -29,7 +29,7 @@ def build_policy(cfg):
         model = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id, cfg.model.hidden_size,
                             cfg.model.num_layers, cfg.model.dtype, cfg.model.seed)
     if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     return model, tok
 
 

@@ -268,7 +268,7 @@ def test_gradient_checkpointing_keeps_gradients_with_injected_segments(tmp_path)
     calls.clear()
     want = grads()
     plain_calls, calls[:] = len(calls), []
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable({"use_reentrant": False})
     assert_gradients_close(grads(), want)
     assert plain_calls == len(model.model.layers) and len(calls) == 2 * plain_calls   # recomputed in backward
 
