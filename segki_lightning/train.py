@@ -33,7 +33,8 @@ def build_policy(cfg):
     return model, tok
 
 
-def build_data(cfg):
+def build_data(cfg, repeat: int = 1):
+    """The prompt loader; each batch is handed out ``repeat`` times (the optimizer steps of one rollout)."""
     from .rl.loader import ResumableLoader
     from .rl.task import PromptFile, SyntheticAddition, collate
 
@@ -41,7 +42,7 @@ def build_data(cfg):
           else SyntheticAddition(cfg.task.size, cfg.task.seed))
     gen = torch.Generator().manual_seed(cfg.task.seed)
     return ResumableLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=True, drop_last=True, collate_fn=collate,
-                           generator=gen)
+                           generator=gen, repeat=repeat)
 
 
 def build_loggers(cfg, root: str):
@@ -74,14 +75,15 @@ def run(cfg) -> dict:
     if cfg.algorithm not in algorithms:
         raise ValueError(f"algorithm must be one of {sorted(algorithms)}, got {cfg.algorithm!r}")
     conf_cls, module_cls = algorithms[cfg.algorithm]
-    module = module_cls(policy, tokenizer, rewards, conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True)))
+    algo = conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True))
+    module = module_cls(policy, tokenizer, rewards, algo)
     root = cfg.trainer.default_root_dir
     ckpt = ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_train_steps,
                            save_last=cfg.checkpoint.save_last, save_top_k=-1)
     callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer = pl.Trainer(**trainer_kw, callbacks=callbacks, logger=build_loggers(cfg, root))
-    trainer.fit(module, train_dataloaders=build_data(cfg), ckpt_path=cfg.ckpt_path)
+    trainer.fit(module, train_dataloaders=build_data(cfg, algo.steps_per_rollout), ckpt_path=cfg.ckpt_path)
     if cfg.export_dir:
         export(module, cfg.export_dir)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -42,3 +42,24 @@ def test_a_plain_new_epoch_is_not_skipped():
     list(loader)
     assert loader.state_dict()["yielded"] == 12
     assert len(list(loader)) == 12                      # no stale resume state
+
+
+def test_repeated_batches_resume_mid_repeat():
+    """``repeat=3``: each batch three times in a row (the optimizer steps of one rollout); a resume between two
+    repeats continues with the remaining repeats of the same batch."""
+    seed = int(torch.randint(0, 2**31, ()))
+
+    def make3():
+        return ResumableLoader(list(range(20)), batch_size=4, shuffle=True, drop_last=True, repeat=3,
+                               generator=torch.Generator().manual_seed(seed))
+
+    plain = batches(ResumableLoader(list(range(20)), batch_size=4, shuffle=True, drop_last=True,
+                                    generator=torch.Generator().manual_seed(seed)), 1)
+    want = [b for b in plain for _ in range(3)]
+    assert batches(make3(), 1) == want and len(make3()) == 15
+    first = make3()
+    it = iter(first)
+    seen = [b.tolist() for b in itertools.islice(it, 4)]   # stop inside the second batch's repeats
+    resumed = make3()
+    resumed.load_state_dict(first.state_dict())
+    assert seen + batches(resumed, 1) == want

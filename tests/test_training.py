@@ -82,7 +82,7 @@ def test_micro_batch_losses_add_up_to_the_batch_loss():
         cfg = GRPOConfig(loss_type=loss_type, beta=0.05, max_completion_length=5)
         want, want_stats = grpo_loss(logp, old, ref, adv, mask, cfg)
         totals = Totals.of(mask)
-        parts = [grpo_loss(logp[r], old[r], ref[r], adv[r], mask[r], cfg, totals) for r in micro_batches(6, 4)]
+        parts = [grpo_loss(logp[r], old[r], ref[r], adv[r], mask[r], cfg, totals) for r in micro_batches(torch.arange(6), 4)]
         torch.testing.assert_close(sum(p[0] for p in parts), want, rtol=1e-6, atol=1e-7)
         for k, v in want_stats.items():
             torch.testing.assert_close(sum(p[1][k] for p in parts), v, rtol=1e-6, atol=1e-7)

@@ -5,16 +5,29 @@ import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: Tensor, group: int, scale: str) -> Tensor:
+def group_advantages(rewards: Tensor, group: int, scale: str, batch_std: Tensor | None = None) -> Tensor:
     """``[N]`` rewards (prompt-major groups of ``group``) -> advantages ``r - mean_group``, divided by the
-    group's or the batch's std (+1e-4) unless ``scale == "none"``."""
+    group's or the batch's std (+1e-4) unless ``scale == "none"``. ``batch_std``: the std over the whole batch
+    of every rank (default: over these rows)."""
     r = rewards.view(-1, group)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
-        adv = adv / (rewards.std() + 1e-4)
+        adv = adv / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
     return adv.reshape(-1)
+
+
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """``[N, T]`` 1.0 on the tokens whose entropy is in the top ``quantile`` of the batch's (all ranks')
+    masked-in tokens, else 0 (TRL's ``top_entropy_quantile``; 1.0 keeps every token)."""
+    from .dist import gather_rows
+
+    values = gather_rows(entropy[mask.bool()].float())
+    if values.numel() == 0:
+        return mask.float()
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return ((entropy >= threshold) & mask.bool()).float()
 
 
 def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:

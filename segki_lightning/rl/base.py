@@ -15,11 +15,14 @@ from torch import Tensor, nn
 
 from ..lightning import SegKIRolloutMixin
 from ..rollout import RolloutBatch, SamplingConfig
+from .buffer import RolloutBuffer
+from .correction import importance_weights, mismatch_stats
 from .logprobs import TokenScores, completion_logprobs
+from .losses import Totals
 from .optim import build_optimizer
 from .rewards import WeightedReward, score
 from .task import decode
-from .update import LossFn, accumulate
+from .update import LossFn, accumulate, micro_batches
 
 
 @dataclass
@@ -47,6 +50,53 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._step_started = 0.0
         self._last_rollout_s = 0.0
         self._last_train_tokens = 0
+        self._buffer: RolloutBuffer | None = None
+
+    # ------------------------------------------------------------------------------------ the RL step
+    def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
+        """Roll out and score ``batch``; return the buffer the next optimizer steps read."""
+        raise NotImplementedError
+
+    def step_loss(self, buf: RolloutBuffer, rows: Tensor, totals: Totals) -> tuple[Tensor, dict[str, Tensor]]:
+        """Loss and stats of rows ``rows`` (a micro-batch) of the buffer, normalised by ``totals``."""
+        raise NotImplementedError
+
+    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor:
+        """One optimizer step: a new rollout when the buffer is used up (the batch is ignored otherwise: the
+        recipe's loader repeats each batch for the steps of one rollout), then the next rows, micro-batched."""
+        self._last_rollout_s = 0.0
+        if not self._buffer:
+            self._buffer = self.prepare(batch)
+            self.log_rollout(self._buffer.scored, len(batch["prompt"]))
+        buf = self._buffer
+        rows = buf.next_rows()
+        mask = buf.data["mask"][rows]
+        totals = Totals.of(mask)
+        ro = buf.scored.batch
+        self._last_train_tokens = int(ro.prompt_mask[rows].sum() + ro.completion_mask[rows].sum())
+        loss, total, stats = self.accumulate(rows, lambda r: self.step_loss(buf, r, totals))
+        self.log_step(total, stats, len(batch["prompt"]))
+        return loss
+
+    @torch.no_grad()
+    def score_all(self, model: nn.Module, ro: RolloutBatch, value_head: nn.Module | None = None) -> TokenScores:
+        """Token scores of every row under ``model`` without gradients, in micro-batches (old and reference
+        log-probs, entropies, values)."""
+        rows = torch.arange(len(ro), device=ro.completion_ids.device)
+        parts = [self.scores(model, ro, r, value_head) for r in micro_batches(rows, self.cfg.micro_batch_size)]
+        return TokenScores(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
+
+    def corrected(self, trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, totals: Totals
+                  ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Importance weights of the sampler/trainer correction (None when it is off) and the mismatch stats
+        (shares of the batch's token means; the ``_max`` stat is a maximum)."""
+        c = self.cfg
+        weights, outside = importance_weights(trainer_logp, sampler_logp, mask, c.importance_sampling_mode,
+                                              c.importance_sampling_clip_max, c.importance_sampling_clip_min)
+        stats = mismatch_stats(trainer_logp, sampler_logp, mask, outside, totals)
+        kind = "masked" if c.importance_sampling_mode.endswith("mask") else "truncated"
+        stats[f"is_{kind}_frac"] = stats.pop("is_outside_frac")
+        return (weights if c.importance_sampling_correction else None), {f"rollout/{k}": v for k, v in stats.items()}
 
     def configure_optimizers(self):
         c = self.cfg
@@ -61,7 +111,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         optimizer.step(closure=optimizer_closure)
         optimizer.zero_grad(set_to_none=True)
 
-    def scores(self, model: nn.Module, ro: RolloutBatch, rows: slice, value_head: nn.Module | None = None
+    def scores(self, model: nn.Module, ro: RolloutBatch, rows: Tensor, value_head: nn.Module | None = None
                ) -> TokenScores:
         """Token scores of rows ``rows`` of a rollout under ``model`` (``[n, T]`` each), on the columns those
         rows use: prompt columns that are padding in every row and completion columns past the longest
@@ -74,7 +124,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         pad = cm.shape[1] - width
         return TokenScores(*(None if t is None else F.pad(t, (0, pad)) for t in s))
 
-    def accumulate(self, rows: int, loss_fn: LossFn) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    def accumulate(self, rows: Tensor, loss_fn: LossFn) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """``loss_fn`` over micro-batches of ``cfg.micro_batch_size`` rows (see :mod:`.update`)."""
         return accumulate(rows, self.cfg.micro_batch_size, loss_fn, self._backward)
 
@@ -105,23 +155,28 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         rewards = torch.tensor(total, dtype=torch.float32, device=self.device)
         return Scored(ro, prompts, texts, rewards, means, rollout_s)
 
-    def log_common(self, s: Scored, loss: Tensor, n_prompts: int, **extra: Tensor) -> None:
-        """The per-step metrics both algorithms report (reduced across ranks; tokens/s summed)."""
+    def log_rollout(self, s: Scored, n_prompts: int) -> None:
+        """Metrics of a new rollout (reduced across ranks; tokens/s summed)."""
         kw = dict(batch_size=n_prompts, sync_dist=True)
         self.log("train/reward", s.rewards.mean(), prog_bar=True, **kw)
         self.log("train/reward_std", s.rewards.std() if len(s.rewards) > 1 else torch.zeros(()), **kw)
         for name, v in s.means.items():
             self.log(f"train/rewards/{name}", v, **kw)
-        for name, v in extra.items():
-            self.log(f"train/{name}", v, **kw)
         self.log("train/completion_length", s.batch.completion_mask.sum(1).float().mean(), **kw)
-        self.log("train/loss", loss.detach(), **kw)
         self.log("rollout/tokens_per_s", s.batch.stats.tokens / max(s.rollout_s, 1e-9), prog_bar=True,
                  batch_size=n_prompts, sync_dist=True, reduce_fx="sum")
         every = getattr(self.cfg, "log_completions_every", 0)
         if every and self.global_step % every == 0:
             self._log_completions([dict(step=self.global_step, prompt=p, completion=c, reward=float(r))
                                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:4]])
+
+    def log_step(self, loss: Tensor, stats: dict[str, Tensor], n_prompts: int) -> None:
+        """Metrics of every optimizer step: the loss and the loss's stats (``train/...``, or as named)."""
+        kw = dict(batch_size=n_prompts, sync_dist=True)
+        self.log("train/loss", loss.detach(), **kw)
+        for name, v in stats.items():
+            self.log(name if "/" in name and name.split("/")[0] in ("rollout", "train") else f"train/{name}", v,
+                     reduce_fx="max" if name.endswith("_max") else "mean", **kw)
 
     def on_train_start(self) -> None:
         """The policy trains in train mode (Lightning keeps each submodule's mode, and ``from_pretrained``

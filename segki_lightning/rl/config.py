@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IS_LEVELS = ("token", "sequence")
 
 
 @dataclass
@@ -16,7 +18,11 @@ class RLConfig:
     gradients of the micro-batches add up to the whole batch's. ``master_weights``: bf16/fp16 parameters get
     fp32 master copies in the optimizer (the model keeps reading its own half-precision weights).
     ``logprob_chunk``: tokens per chunk of the output projection in the log-prob pass (None: ~1 GiB of fp32
-    logits per chunk)."""
+    logits per chunk).
+
+    Sampler/trainer correction (TRL's ``vllm_importance_sampling_*``; our sampler is the rollout engine): each
+    token's loss is weighted by ``exp(trainer_old_logp - engine_logp)`` (per token, or summed per sequence),
+    truncated to ``[clip_min, clip_max]`` or masked to 0 outside it."""
 
     num_generations: int = 1
     temperature: float = 1.0
@@ -28,10 +34,20 @@ class RLConfig:
     micro_batch_size: int | None = None
     master_weights: bool = True
     logprob_chunk: int | None = None
+    importance_sampling_correction: bool = True
+    importance_sampling_mode: str = "token_truncate"
+    importance_sampling_clip_max: float = 3.0
+    importance_sampling_clip_min: float | None = None
     log_completions_every: int = 50
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.importance_sampling_mode not in IS_MODES:
+            raise ValueError(f"importance_sampling_mode must be one of {IS_MODES}, got {self.importance_sampling_mode!r}")
+        lo = self.importance_sampling_clip_min
+        if self.importance_sampling_clip_max <= 0 or (lo is not None and not 0 <= lo < self.importance_sampling_clip_max):
+            raise ValueError("importance_sampling_clip_max must be > 0 and importance_sampling_clip_min in "
+                             f"[0, clip_max) or null, got {lo}, {self.importance_sampling_clip_max}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 row (or null for all rows), got {self.micro_batch_size}")
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
@@ -40,18 +56,47 @@ class RLConfig:
 
 @dataclass
 class GRPOConfig(RLConfig):
-    """GRPO hyper-parameters (TRL names). ``beta = 0`` builds no reference model."""
+    """GRPO hyper-parameters (TRL names). ``beta = 0`` builds no reference model.
+
+    A rollout of ``prompts x num_generations`` rows serves ``num_iterations x steps_per_generation`` optimizer
+    steps: its rows are shuffled once and split into ``steps_per_generation`` slices, and every iteration steps
+    once on each slice."""
 
     num_generations: int = 8
+    num_iterations: int = 1
+    steps_per_generation: int = 1
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
     loss_type: str = "dapo"
     scale_rewards: str = "group"
     mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
+    use_bias_correction_kl: bool = False
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.num_iterations * self.steps_per_generation
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_iterations < 1 or self.steps_per_generation < 1:
+            raise ValueError(f"num_iterations and steps_per_generation must be >= 1, got {self.num_iterations}, "
+                             f"{self.steps_per_generation}")
+        if self.importance_sampling_level not in IS_LEVELS:
+            raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got "
+                             f"{self.importance_sampling_level!r}")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError("loss_type=cispo truncates the importance weight at epsilon_high: set it (the CISPO "
+                             "paper uses values around 5)")
+        if self.delta is not None and self.delta <= 1.0:
+            raise ValueError(f"delta (two-sided clipping bound) must be > 1, got {self.delta}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in SCALES:
@@ -62,8 +107,11 @@ class GRPOConfig(RLConfig):
 
 @dataclass
 class PPOConfig(RLConfig):
-    """PPO hyper-parameters (TRL names). ``kl_coef = 0`` builds no reference model."""
+    """PPO hyper-parameters (TRL names). ``kl_coef = 0`` builds no reference model. A rollout serves
+    ``num_ppo_epochs x num_mini_batches`` optimizer steps (each epoch a fresh shuffle of its rows)."""
 
+    num_ppo_epochs: int = 4
+    num_mini_batches: int = 1
     gamma: float = 1.0
     lam: float = 0.95
     cliprange: float = 0.2
@@ -72,7 +120,14 @@ class PPOConfig(RLConfig):
     kl_coef: float = 0.05
     whiten_advantages: bool = True
 
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.num_ppo_epochs * self.num_mini_batches
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.num_ppo_epochs < 1 or self.num_mini_batches < 1:
+            raise ValueError(f"num_ppo_epochs and num_mini_batches must be >= 1, got {self.num_ppo_epochs}, "
+                             f"{self.num_mini_batches}")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")

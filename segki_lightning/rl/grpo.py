@@ -7,17 +7,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .advantages import group_advantages
+from .advantages import group_advantages, high_entropy_mask
 from .base import RLModule
+from .buffer import RolloutBuffer, schedule
 from .config import GRPOConfig
+from .dist import gather_rows
 from .losses import Totals, grpo_loss, token_mean
 from .rewards import WeightedReward
 
 
 class GRPOModule(RLModule):
-    """Rollout ``num_generations`` completions per prompt, score them, and take one clipped policy-gradient
-    step on group-normalised advantages (on-policy: the old log-probs are the current ones, detached), in
-    micro-batches of ``micro_batch_size`` rows.
+    """Roll out ``num_generations`` completions per prompt, score them, and take clipped policy-gradient steps
+    on group-normalised advantages: ``num_iterations x steps_per_generation`` optimizer steps per rollout (one
+    ``training_step`` each), in micro-batches of ``micro_batch_size`` rows.
+
+    The old log-probs come from one no-grad pass of the trainer's forward before the first update (as in TRL);
+    with one step per rollout and every token kept they equal the current ones and that pass is skipped. Each
+    token's loss is weighted by the sampler/trainer importance ratio (``importance_sampling_*``).
 
     Args:
         policy: a Hugging Face causal LM (trained in place; rollouts use the same weights).
@@ -33,26 +39,35 @@ class GRPOModule(RLModule):
         if self.cfg.beta > 0:
             self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
 
-    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor:
+    def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
         cfg, g = self.cfg, self.cfg.num_generations
         s = self.rollout_and_score(batch, g)
         ro = s.batch
-        adv = group_advantages(s.rewards, g, cfg.scale_rewards)                       # [N]
-        mask = ro.completion_mask
+        batch_std = gather_rows(s.rewards).std() if cfg.scale_rewards == "batch" else None
+        data = {"adv": group_advantages(s.rewards, g, cfg.scale_rewards, batch_std),            # [N]
+                "mask": ro.completion_mask}                                                    # [N, T]
         if cfg.mask_truncated_completions:
-            mask = mask * (ro.completion_ids == self.eos_token_id).any(1)[:, None].long()
-        totals = Totals.of(mask)
+            data["mask"] = data["mask"] * (ro.completion_ids == self.eos_token_id).any(1)[:, None].long()
+        if cfg.steps_per_rollout > 1 or cfg.top_entropy_quantile < 1.0:
+            old = self.score_all(self.policy, ro)
+            data["old_logp"] = old.logp
+            if cfg.top_entropy_quantile < 1.0:
+                data["token_weight"] = high_entropy_mask(old.entropy, data["mask"], cfg.top_entropy_quantile)
+        if self.reference is not None:
+            data["ref_logp"] = self.score_all(self.reference, ro).logp
+        gen = torch.Generator().manual_seed(cfg.seed + self.global_step)
+        steps = schedule(len(ro), cfg.steps_per_generation, cfg.num_iterations, False, gen, ro.completion_ids.device)
+        return RolloutBuffer(s, data, steps)
 
-        def loss_fn(rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
-            sc = self.scores(self.policy, ro, rows)                                   # [n, T] each
-            ref_logp = None
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref_logp = self.scores(self.reference, ro, rows).logp
-            loss, stats = grpo_loss(sc.logp, sc.logp.detach(), ref_logp, adv[rows], mask[rows], cfg, totals)
-            stats["entropy"] = token_mean(sc.entropy.detach(), mask[rows].float(), totals)
-            return loss, stats
-
-        loss, total, stats = self.accumulate(len(ro), loss_fn)
-        self.log_common(s, total, len(batch["prompt"]), **stats)
-        return loss
+    def step_loss(self, buf: RolloutBuffer, rows: Tensor, totals: Totals) -> tuple[Tensor, dict[str, Tensor]]:
+        cfg, d = self.cfg, buf.data
+        mask = d["mask"][rows]
+        sc = self.scores(self.policy, buf.scored.batch, rows)                                   # [n, T] each
+        old = d["old_logp"][rows] if "old_logp" in d else sc.logp.detach()
+        weights, stats = self.corrected(old, buf.scored.batch.logprobs[rows], mask, totals)
+        if "token_weight" in d:
+            weights = d["token_weight"][rows] if weights is None else weights * d["token_weight"][rows]
+        ref = d["ref_logp"][rows] if "ref_logp" in d else None
+        loss, part = grpo_loss(sc.logp, old, ref, d["adv"][rows], mask, cfg, totals, weights)
+        part["entropy"] = token_mean(sc.entropy.detach(), mask.float(), totals)
+        return loss, {**part, **stats}

@@ -1,4 +1,5 @@
-"""A prompt DataLoader whose place inside an epoch is part of Lightning's checkpoint.
+"""A prompt DataLoader whose place inside an epoch is part of Lightning's checkpoint, and which can hand out each
+batch several times in a row (one rollout serves several optimizer steps, each a ``training_step``).
 
 Lightning restarts a plain DataLoader from its first batch when it resumes mid-epoch, so a resumed RL run
 would see other prompts than the uninterrupted one. This loader records, per epoch, the state of its shuffle
@@ -13,13 +14,25 @@ from torch.utils.data import DataLoader
 
 
 class ResumableLoader(DataLoader):
-    """A ``DataLoader`` with ``state_dict`` / ``load_state_dict`` (Lightning saves and restores both)."""
+    """A ``DataLoader`` with ``state_dict`` / ``load_state_dict`` (Lightning saves and restores both).
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    Args:
+        repeat: hand out every batch this many times in a row (the optimizer steps of one rollout; only the
+            first of them rolls out, the others train on the same rollout -- as TRL's repeat sampler does).
+        *args, **kwargs: as for ``DataLoader``.
+    """
+
+    def __init__(self, *args: Any, repeat: int = 1, **kwargs: Any):
+        if repeat < 1:
+            raise ValueError(f"repeat must be >= 1, got {repeat}")
         super().__init__(*args, **kwargs)
+        self.repeat = repeat
         self._epoch_start: torch.Tensor | None = None   # shuffle-generator state when the epoch began
-        self._yielded = 0                                # batches handed out in this epoch
+        self._yielded = 0                                # batches handed out in this epoch (repeats counted)
         self._resume: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return super().__len__() * self.repeat
 
     def __iter__(self) -> Iterator:
         resume, self._resume = self._resume, None
@@ -28,13 +41,13 @@ class ResumableLoader(DataLoader):
                 self.generator.set_state(resume["epoch_start"])
             self._epoch_start = self.generator.get_state().clone()
         it = super().__iter__()
+        skip = resume["yielded"] if resume else 0
         self._yielded = 0
-        for _ in range(resume["yielded"] if resume else 0):
-            next(it)
-            self._yielded += 1
         for batch in it:
-            self._yielded += 1
-            yield batch
+            for _ in range(self.repeat):
+                self._yielded += 1
+                if self._yielded > skip:
+                    yield batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"yielded": self._yielded, "epoch_start": self._epoch_start}

@@ -10,17 +10,18 @@ from torch import Tensor, nn
 
 from .advantages import gae, masked_whiten
 from .base import RLModule
+from .buffer import RolloutBuffer, schedule
 from .config import PPOConfig
 from .losses import Totals, ppo_loss, token_mean
 from .rewards import WeightedReward
-from .update import micro_batches
 
 
 class PPOModule(RLModule):
-    """One PPO update per rollout. The sequence reward lands on each completion's last token; every token
-    also pays ``-kl_coef * (logp - ref_logp)``. As in TRL, a no-grad pass (in micro-batches) first gives the
-    old log-probs, values and reference log-probs of every row, from which the advantages are computed over
-    the whole batch; then the update runs in micro-batches of ``micro_batch_size`` rows.
+    """``num_ppo_epochs x num_mini_batches`` PPO updates per rollout (one ``training_step`` each; every epoch a
+    fresh shuffle of the rows). The sequence reward lands on each completion's last token; every token also
+    pays ``-kl_coef * (logp - ref_logp)``. As in TRL, a no-grad pass (in micro-batches) first gives the old
+    log-probs, values and reference log-probs of every row, from which the advantages are computed over the
+    whole rollout.
 
     Args:
         policy: a Hugging Face causal LM; the value head reads its last hidden state.
@@ -39,41 +40,35 @@ class PPOModule(RLModule):
         if self.cfg.kl_coef > 0:
             self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
 
-    @torch.no_grad()
-    def old_scores(self, ro) -> tuple[Tensor, Tensor, Tensor]:
-        """``old_logp``, ``old_values``, ``kl`` (to the reference) ``[N, T]`` of every row, micro-batched."""
-        logp, values, kl = [], [], []
-        for rows in micro_batches(len(ro), self.cfg.micro_batch_size):
-            sc = self.scores(self.policy, ro, rows, self.value_head)
-            logp.append(sc.logp)
-            values.append(sc.values)
-            ref = self.scores(self.reference, ro, rows).logp if self.reference is not None else sc.logp
-            kl.append(sc.logp - ref)
-        return torch.cat(logp), torch.cat(values), torch.cat(kl)
-
-    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor:
+    def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
         cfg = self.cfg
         s = self.rollout_and_score(batch, cfg.num_generations)
         ro = s.batch
         mask = ro.completion_mask
-        m = mask.float()
-        old_logp, old_values, kl = self.old_scores(ro)                                  # [N, T] each
+        old = self.score_all(self.policy, ro, self.value_head)                               # [N, T] each
+        ref = self.score_all(self.reference, ro).logp if self.reference is not None else old.logp
+        kl = old.logp - ref
         token_rewards = -cfg.kl_coef * kl
         last = (mask.sum(1) - 1).clamp_min(0)
         token_rewards[torch.arange(len(last), device=last.device), last] += s.rewards
-        adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+        adv, returns = gae(token_rewards, old.values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             adv = masked_whiten(adv, mask)
-        totals = Totals.of(mask)
+        m = mask.float()
+        self.log_dict({"train/kl": (kl * m).sum() / m.sum().clamp_min(1),
+                       "train/value": (old.values * m).sum() / m.sum().clamp_min(1)},
+                      batch_size=len(batch["prompt"]), sync_dist=True)
+        gen = torch.Generator().manual_seed(cfg.seed + self.global_step)
+        steps = schedule(len(ro), cfg.num_mini_batches, cfg.num_ppo_epochs, True, gen, mask.device)
+        data = dict(mask=mask, adv=adv, returns=returns, old_logp=old.logp, old_values=old.values)
+        return RolloutBuffer(s, data, steps)
 
-        def loss_fn(rows: slice) -> tuple[Tensor, dict[str, Tensor]]:
-            sc = self.scores(self.policy, ro, rows, self.value_head)
-            loss, stats = ppo_loss(sc.logp, old_logp[rows], sc.values, old_values[rows], adv[rows], returns[rows],
-                                   mask[rows], cfg, totals)
-            stats["entropy"] = token_mean(sc.entropy.detach(), m[rows], totals)
-            return loss, stats
-
-        loss, total, stats = self.accumulate(len(ro), loss_fn)
-        self.log_common(s, total, len(batch["prompt"]), kl=(kl * m).sum() / m.sum().clamp_min(1),
-                        value=(old_values * m).sum() / m.sum().clamp_min(1), **stats)
-        return loss
+    def step_loss(self, buf: RolloutBuffer, rows: Tensor, totals: Totals) -> tuple[Tensor, dict[str, Tensor]]:
+        d = buf.data
+        mask = d["mask"][rows]
+        sc = self.scores(self.policy, buf.scored.batch, rows, self.value_head)
+        weights, stats = self.corrected(d["old_logp"][rows], buf.scored.batch.logprobs[rows], mask, totals)
+        loss, part = ppo_loss(sc.logp, d["old_logp"][rows], sc.values, d["old_values"][rows], d["adv"][rows],
+                              d["returns"][rows], mask, self.cfg, totals, weights)
+        part["entropy"] = token_mean(sc.entropy.detach(), mask.float(), totals)
+        return loss, {**part, **stats}
