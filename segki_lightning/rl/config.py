@@ -28,8 +28,8 @@ class RLConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    max_completion_length: int = 16
-    learning_rate: float = 1e-3
+    max_completion_length: int = 256
+    learning_rate: float = 1e-6
     weight_decay: float = 0.0
     micro_batch_size: int | None = None
     master_weights: bool = True
@@ -110,6 +110,7 @@ class PPOConfig(RLConfig):
     """PPO hyper-parameters (TRL names). ``kl_coef = 0`` builds no reference model. A rollout serves
     ``num_ppo_epochs x num_mini_batches`` optimizer steps (each epoch a fresh shuffle of its rows)."""
 
+    learning_rate: float = 3e-6
     num_ppo_epochs: int = 4
     num_mini_batches: int = 1
     gamma: float = 1.0
