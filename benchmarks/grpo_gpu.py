@@ -6,6 +6,7 @@ case, setting of the two switches and number of GPUs (DDP). Each run is
 
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 0.8b:16x1024:mb32 4b:8x512:mb16 [--runs segki off]
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --devices 1 2
+    python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --overrides algo.num_iterations=2
 
 A case is ``SHAPE:PROMPTSxTOKENS[:mbROWS][:ckpt]``: prompts per step and rank (x8 completions), completion
 tokens, ``algo.micro_batch_size`` and ``model.gradient_checkpointing=true``. ``segki`` is
@@ -93,6 +94,7 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
         cmd.append(f"algo.micro_batch_size={case.micro_batch}")
     if case.checkpointing:
         cmd.append("model.gradient_checkpointing=true")
+    cmd.extend(args.overrides)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir.parent)
     log = " ".join(cmd) + "\n\n" + proc.stdout + proc.stderr
@@ -116,6 +118,10 @@ def summarize(run_dir: Path, warm: int, params: int) -> dict:
                mfu_train=round(6 * params * train_tok_s / PEAK_FLOPS, 3),
                peak_gib=round(max(float(r.get("memory/peak_gib") or "nan") for r in rows), 1),
                completion_len=round(med("train/completion_length"), 1),
+               clip_ratio_max=round(max(float(r.get("train/clip_ratio") or 0) for r in rows), 4),
+               logprob_diff_mean=round(med("rollout/logprob_diff_mean"), 4),
+               logprob_diff_max=round(max(float(r.get("rollout/logprob_diff_max") or 0) for r in rows), 3),
+               kl_sampler_trainer=round(med("rollout/kl_sampler_trainer"), 5),
                first_step_s=round(float(rows[0]["time/step_s"]), 2))
     check = list(run_dir.rglob("rank_consistency.json"))
     if check:
@@ -133,6 +139,8 @@ def main() -> None:
     ap.add_argument("--segki-steps", type=int, default=10)
     ap.add_argument("--off-steps", type=int, default=4)
     ap.add_argument("--warm", type=int, default=2)
+    ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run, e.g. "
+                    "algo.num_iterations=2")
     args = ap.parse_args()
     args.steps = {"segki": args.segki_steps, "off": args.off_steps}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -170,7 +178,8 @@ def main() -> None:
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "rollout_s", "train_s",
             "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "tok_s_vs_off", "tok_s_vs_1gpu",
-            "weights_identical", "first_step_s", "completion_len", "error"]
+            "weights_identical", "first_step_s", "completion_len", "clip_ratio_max", "logprob_diff_mean",
+            "logprob_diff_max", "kl_sampler_trainer", "error"]
     write_results(args.out, "grpo_gpu", rows, cols, header)
     print((args.out / "grpo_gpu.md").read_text())
 

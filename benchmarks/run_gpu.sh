@@ -11,6 +11,7 @@
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
+#   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
 # usage: bash benchmarks/run_gpu.sh --out DIR [stage ...]
 set -uo pipefail
@@ -40,6 +41,8 @@ for stage in "${stages[@]}"; do
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;
+    reuse)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_reuse" --cases 0.8b:4x256 --runs segki --segki-steps 20 \
+               --overrides algo.num_iterations=2 > "$out/reuse.log" 2>&1; tail -6 "$out/reuse.log" ;;
     ddp)     python3 benchmarks/grpo_gpu.py --out "$out/grpo_ddp" --cases 0.8b:4x256 --runs segki --devices 1 2 \
                > "$out/ddp.log" 2>&1; tail -6 "$out/ddp.log" ;;
     *)       echo "unknown stage $stage"; exit 2 ;;
