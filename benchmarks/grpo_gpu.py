@@ -103,7 +103,8 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
 
 
 def summarize(run_dir: Path, warm: int, params: int) -> dict:
-    """Medians over the steps after the first ``warm`` of the metrics the recipe logs every step."""
+    """Over the steps after the first ``warm``: mean step and rollout time per step (the rollout share is their
+    ratio), medians of the throughputs."""
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("time/step_s")]
     keep = rows[warm:] or rows
@@ -111,9 +112,12 @@ def summarize(run_dir: Path, warm: int, params: int) -> dict:
     def med(key: str) -> float:
         return statistics.median(float(r[key]) for r in keep)
 
-    step, rollout, train_tok_s = med("time/step_s"), med("time/rollout_s"), med("time/train_tokens_per_s")
+    def mean(key: str) -> float:   # time per step (a rollout may serve several steps)
+        return statistics.fmean(float(r[key]) for r in keep)
+
+    step, rollout, train_tok_s = mean("time/step_s"), mean("time/rollout_s"), med("time/train_tokens_per_s")
     out = dict(steps=len(rows), steps_measured=len(keep), step_s=round(step, 3), rollout_s=round(rollout, 3),
-               train_s=round(step - rollout, 3), rollout_share=round(med("rollout/time_share"), 3),
+               train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
                mfu_train=round(6 * params * train_tok_s / PEAK_FLOPS, 3),
                peak_gib=round(max(float(r.get("memory/peak_gib") or "nan") for r in rows), 1),
