@@ -176,8 +176,8 @@ def main() -> None:
     fla = "installed" if importlib.util.find_spec("fla") else "not installed (chunked torch GDN prefill/training)"
     cmd = " ".join(sys.argv[1:]).replace(str(args.out), "DIR")
     header = (f"# GRPO recipe, Qwen3.5 shapes (random bf16), G=8, {torch.cuda.get_device_name()}, "
-              f"flash-linear-attention {fla}\n\nCommand: `python benchmarks/grpo_gpu.py {cmd}`. Medians over the "
-              f"steps after the first {args.warm}; rollout and training tokens/s are summed over ranks; MFU is the "
+              f"flash-linear-attention {fla}\n\nCommand: `python benchmarks/grpo_gpu.py {cmd}`. Over the steps "
+              f"after the first {args.warm}: mean times per step, median tokens/s (summed over ranks); MFU is the "
               "training part's (6 x parameters x trained tokens / (step - rollout time) / 989 TFLOP/s); peak GiB is "
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "rollout_s", "train_s",
