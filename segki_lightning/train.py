@@ -33,6 +33,25 @@ def build_policy(cfg):
     return model, tok
 
 
+def build_rewards(cfg) -> list:
+    """Reward functions from ``cfg.rewards``: each a dotted path to a function (``my_pkg.rewards.correct``) or a
+    Hydra node -- ``_target_`` a class (instantiated) or a function with ``_partial_: true`` -- or a
+    :class:`~segki_lightning.rl.WeightedReward` node."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import get_method, instantiate
+
+    out = []
+    for i, node in enumerate(cfg.rewards):
+        try:
+            fn = get_method(node) if isinstance(node, str) else instantiate(node)
+        except InstantiationException as err:
+            raise ValueError(f"rewards[{i}] could not be built ({err}). A reward function that takes "
+                             "(prompts, completions, **kwargs) needs `_partial_: true` next to its `_target_`, or "
+                             "give its dotted path as a plain string") from None
+        out.append(fn)
+    return out
+
+
 def build_data(cfg, repeat: int = 1):
     """The prompt loader; each batch is handed out ``repeat`` times (the optimizer steps of one rollout)."""
     from .rl.loader import ResumableLoader
@@ -61,7 +80,6 @@ def build_loggers(cfg, root: str):
 def run(cfg) -> dict:
     """Build policy, data, module and trainer from a composed config; fit; optionally export."""
     import lightning.pytorch as pl
-    from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint
     from omegaconf import OmegaConf
 
@@ -70,7 +88,7 @@ def run(cfg) -> dict:
 
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
-    rewards = [instantiate(r) for r in cfg.rewards]
+    rewards = build_rewards(cfg)
     algorithms = {"grpo": (GRPOConfig, GRPOModule), "ppo": (PPOConfig, PPOModule)}
     if cfg.algorithm not in algorithms:
         raise ValueError(f"algorithm must be one of {sorted(algorithms)}, got {cfg.algorithm!r}")

@@ -43,7 +43,7 @@ def test_every_recipe_composes_and_instantiates(tmp_path, name):
 
     cfg = small(tmp_path, name=name)
     rewards = [instantiate(r) for r in cfg.rewards]
-    assert [type(r.fn) for r in rewards] == [FormatRegex, ExactMatch]
+    assert [type(r) for r in rewards] == [FormatRegex, ExactMatch] and cfg.algo.reward_weights == [0.5, 0.5]
     assert cfg.rollout.use_segki and cfg.rollout.graph_capture and cfg.algorithm == name
     assert (RECIPES / f"{name}.yaml").read_text().splitlines()[0] == f"# segki-train --config-name {name}"
 
@@ -132,7 +132,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     """2 steps + resume + 2 steps == 4 steps in one go, bit for bit: policy, optimizer moments, data order and the
     rollouts' sampling seeds all continue where they stopped. A reward that random completions often earn (a
     letter a-m anywhere) keeps the advantages, hence the updates, non-zero."""
-    reward = "rewards.0.fn.pattern='.*[a-m].*'"
+    reward = "rewards.0.pattern='.*[a-m].*'"
     a, straight = tmp_path / "resumed", tmp_path / "straight"
     run(small(a, "checkpoint.every_n_train_steps=1", reward))
     at_two = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]

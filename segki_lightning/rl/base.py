@@ -20,8 +20,8 @@ from .correction import importance_weights, mismatch_stats
 from .logprobs import TokenScores, completion_logprobs
 from .losses import Totals
 from .optim import build_optimizer
-from .rewards import WeightedReward, score
-from .task import decode
+from .rewards import RewardFn, WeightedReward, as_rewards, score
+from .task import completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
 
 
@@ -40,11 +40,10 @@ class Scored:
 class RLModule(SegKIRolloutMixin, pl.LightningModule):
     """Base of the RL LightningModules: ``self.policy`` trained in place, rollouts from the same weights."""
 
-    def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[WeightedReward], cfg: Any):
+    def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[RewardFn | WeightedReward], cfg: Any):
         super().__init__()
-        if not rewards:
-            raise ValueError("at least one reward function is needed")
-        self.policy, self.tokenizer, self.rewards, self.cfg = policy, tokenizer, list(rewards), cfg
+        self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
+        self.rewards = as_rewards(rewards, cfg.reward_weights)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self._step_started = 0.0
@@ -151,7 +150,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         texts = decode(self.tokenizer, ro.completion_ids, ro.completion_mask)
         columns = {k: [v for v in vals for _ in range(n)] for k, vals in batch.items() if k != "prompt"}
         prompts = [p for p in batch["prompt"] for _ in range(n)]
-        total, means = score(self.rewards, prompts, texts, columns)
+        total, means = score(self.rewards, prompts, texts, columns, completion_ids=completion_token_ids(
+            ro.completion_ids, ro.completion_mask))
         rewards = torch.tensor(total, dtype=torch.float32, device=self.device)
         return Scored(ro, prompts, texts, rewards, means, rollout_s)
 

@@ -25,6 +25,7 @@ class RLConfig:
     truncated to ``[clip_min, clip_max]`` or masked to 0 outside it."""
 
     num_generations: int = 1
+    reward_weights: list[float] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

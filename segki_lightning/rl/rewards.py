@@ -1,15 +1,37 @@
-"""Reward functions ``(prompts, completions, **columns) -> list[float]`` and their weighted sum.
+"""Reward functions, TRL's form: ``f(prompts, completions, completion_ids=..., **columns) -> list[float | None]``,
+and their weighted sum.
 
-Columns are the dataset's other fields (e.g. ``answer``), passed by name to every reward function.
+Columns are the dataset's other fields (e.g. ``answer``), passed by name to every reward function; ``None``
+means "does not apply to this completion" and is left out of the weighted sum and the function's mean.
 """
 from __future__ import annotations
 
+import functools
+import logging
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-RewardFn = Callable[..., list[float]]
+log = logging.getLogger("segki_lightning")
+RewardFn = Callable[..., list]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def text_of(completion: Any) -> str:
+    """A completion as text: a string as is; a conversational completion (TRL: a list of messages) its
+    messages' contents joined."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion)
+
+
+def column(columns: dict[str, list], name: str, reward: str) -> list:
+    if name not in columns:
+        raise KeyError(f"reward {reward} needs the dataset column {name!r}; the prompts have {sorted(columns)}: add "
+                       f"the column or point the reward at another one")
+    return columns[name]
 
 
 def last_number(text: str) -> str | None:
@@ -25,10 +47,10 @@ class ExactMatch:
         self.column = column
         self.__name__ = "exact_match"
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns) -> list[float]:
-        answers = columns[self.column]
-        return [float(last_number(c) is not None and float(last_number(c)) == float(a))
-                for c, a in zip(completions, answers)]
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns) -> list[float]:
+        answers = column(columns, self.column, self.__name__)
+        found = [last_number(text_of(c)) for c in completions]
+        return [float(f is not None and float(f) == float(a)) for f, a in zip(found, answers)]
 
 
 class FormatRegex:
@@ -39,7 +61,7 @@ class FormatRegex:
         self.__name__ = "format"
 
     def __call__(self, prompts, completions, **columns) -> list[float]:
-        return [float(self.pattern.fullmatch(c.strip()) is not None) for c in completions]
+        return [float(self.pattern.fullmatch(text_of(c).strip()) is not None) for c in completions]
 
 
 class LengthPenalty:
@@ -52,12 +74,12 @@ class LengthPenalty:
         self.__name__ = "length_penalty"
 
     def __call__(self, prompts, completions, **columns) -> list[float]:
-        return [-min(1.0, max(0, len(c) - self.target) / self.target) for c in completions]
+        return [-min(1.0, max(0, len(text_of(c)) - self.target) / self.target) for c in completions]
 
 
 @dataclass
 class WeightedReward:
-    """A reward function with its weight; ``name`` labels its logged mean."""
+    """A reward function with its weight; ``name`` labels its logged mean (default: the function's name)."""
 
     fn: RewardFn
     weight: float = 1.0
@@ -65,17 +87,64 @@ class WeightedReward:
 
     @property
     def label(self) -> str:
-        return self.name or getattr(self.fn, "__name__", type(self.fn).__name__)
+        return self.name or reward_name(self.fn)
 
 
-def score(rewards: Sequence[WeightedReward], prompts, completions, columns) -> tuple[list[float], dict[str, float]]:
-    """Weighted total per completion, and the mean of each reward function (for logging)."""
-    total = [0.0] * len(completions)
-    means = {}
+def reward_name(fn: Any) -> str:
+    """What a reward's metric is called: the function's ``__name__`` (through ``functools.partial``), else its
+    class name."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def as_rewards(funcs: Sequence[RewardFn | WeightedReward], weights: Sequence[float] | None = None
+               ) -> list[WeightedReward]:
+    """Reward functions (TRL's form, ``f(prompts, completions, **kwargs) -> list[float | None]``) or
+    :class:`WeightedReward` objects, with TRL's ``reward_weights`` (default 1.0 each) applied to the plain ones."""
+    funcs = list(funcs)
+    if not funcs:
+        raise ValueError("at least one reward function is needed")
+    if weights is not None and len(weights) != len(funcs):
+        raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
+    out = []
+    for i, f in enumerate(funcs):
+        if isinstance(f, WeightedReward):
+            out.append(f if weights is None else WeightedReward(f.fn, float(weights[i]), f.name))
+        elif callable(f):
+            out.append(WeightedReward(f, 1.0 if weights is None else float(weights[i])))
+        else:
+            raise TypeError(f"reward {i} is a {type(f).__name__}, not a callable f(prompts, completions, **kwargs)")
+    return out
+
+
+def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
+          columns: dict[str, list], **extra: Any) -> tuple[list[float], dict[str, float]]:
+    """Weighted total per completion and the mean of each reward function (for logging), TRL's semantics: a
+    function returns one float or ``None`` (not applicable to that row) per completion; ``None`` is left out of
+    the weighted sum and of that function's mean; a row no function applies to scores 0 (with a warning).
+
+    ``extra`` (e.g. ``completion_ids``) is passed by keyword next to the dataset's columns."""
+    n = len(completions)
+    table = []
     for r in rewards:
-        values = r.fn(prompts, completions, **columns)
-        if len(values) != len(completions):
-            raise ValueError(f"reward {r.label} returned {len(values)} values for {len(completions)} completions")
-        means[r.label] = sum(values) / max(len(values), 1)
-        total = [t + r.weight * v for t, v in zip(total, values)]
+        values = r.fn(prompts, completions, **extra, **columns)
+        if values is None or len(values) != n:
+            got = "None" if values is None else f"{len(values)} values"
+            raise ValueError(f"reward {r.label} returned {got} for {n} completions: return one float (or None) "
+                             "per completion")
+        try:
+            table.append([math.nan if v is None else float(v) for v in values])
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"reward {r.label} returned a value that is neither a number nor None: {err}") from None
+    means = {}
+    for r, values in zip(rewards, table):
+        kept = [v for v in values if not math.isnan(v)]
+        means[r.label] = sum(kept) / len(kept) if kept else math.nan
+    total = []
+    for row in zip(*table):
+        kept = [r.weight * v for r, v in zip(rewards, row) if not math.isnan(v)]
+        total.append(sum(kept))
+    if any(all(math.isnan(v) for v in row) for row in zip(*table)):
+        log.warning("segki: every reward function returned None for some completions; they score 0")
     return total, means

@@ -73,6 +73,11 @@ def collate(rows: list[dict]) -> dict[str, list]:
     return {k: [r[k] for r in rows] for k in rows[0]}
 
 
+def completion_token_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """The masked-in tokens of each row (what TRL passes reward functions as ``completion_ids``)."""
+    return [row[m.bool()].tolist() for row, m in zip(ids.cpu(), mask.cpu())]
+
+
 def decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Completion texts: the masked-in tokens of each row, specials dropped."""
-    return [tokenizer.decode(row[m.bool()].tolist(), skip_special_tokens=True) for row, m in zip(ids, mask)]
+    return tokenizer.batch_decode(completion_token_ids(ids, mask), skip_special_tokens=True)

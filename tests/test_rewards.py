@@ -1,0 +1,88 @@
+"""Reward functions the way TRL users write them: plain callables, ``None`` for "not applicable", weights, Hydra
+nodes and dotted paths, metrics named after the function, clear errors."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+
+from segki_lightning.rl.rewards import ExactMatch, FormatRegex, WeightedReward, as_rewards, reward_name, score
+
+
+def correct(prompts, completions, answer, **kwargs):
+    """A TRL-style reward: 1.0 when the completion is the answer."""
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def only_short(prompts, completions, completion_ids, **kwargs):
+    """Applies to short completions only (None elsewhere); sees the completion token ids."""
+    return [1.0 if len(ids) <= 2 else None for ids in completion_ids]
+
+
+def test_plain_functions_none_and_weights_follow_trl():
+    rewards = as_rewards([correct, only_short], [2.0, 0.5])
+    prompts, completions = ["1+2="] * 3, ["3", "4", "345"]
+    total, means = score(rewards, prompts, completions, {"answer": ["3", "3", "3"]},
+                         completion_ids=[[5], [6], [5, 6, 7]])
+    assert total == [2.0 + 0.5, 0.5, 0.0]            # None leaves the weighted sum
+    assert means == {"correct": 1 / 3, "only_short": 1.0}   # None leaves the mean
+
+
+def test_a_row_no_function_applies_to_scores_zero_with_a_warning(caplog):
+    never = lambda prompts, completions, **kw: [None] * len(completions)  # noqa: E731
+    with caplog.at_level("WARNING", logger="segki_lightning"):
+        total, means = score(as_rewards([never]), ["p"], ["c"], {})
+    assert total == [0.0] and math.isnan(means["<lambda>"]) and "returned None" in caplog.text
+
+
+def test_metric_names_come_from_the_function():
+    assert reward_name(functools.partial(correct, answer=["1"])) == "correct"
+    assert reward_name(ExactMatch()) == "exact_match" and reward_name(FormatRegex()) == "format"
+    assert as_rewards([WeightedReward(correct, 0.3, name="mine")])[0].label == "mine"
+
+
+@pytest.mark.parametrize("bad,match", [
+    (lambda p, c, **k: [1.0], "returned 1 values for 2 completions"),
+    (lambda p, c, **k: None, "returned None for 2 completions"),
+    (lambda p, c, **k: ["high", "low"], "neither a number nor None"),
+])
+def test_bad_reward_outputs_say_what_to_return(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        score(as_rewards([bad]), ["a", "b"], ["x", "y"], {})
+
+
+def test_missing_column_names_the_column_and_what_exists():
+    with pytest.raises(KeyError, match="needs the dataset column 'answer'.*'solution'"):
+        score(as_rewards([ExactMatch()]), ["p"], ["3"], {"solution": ["3"]})
+
+
+def test_bad_reward_lists_are_refused():
+    with pytest.raises(ValueError, match="at least one"):
+        as_rewards([])
+    with pytest.raises(ValueError, match="reward_weights has 1 values for 2"):
+        as_rewards([correct, correct], [1.0])
+    with pytest.raises(TypeError, match="not a callable"):
+        as_rewards(["correct"])
+
+
+def test_conversational_completions_are_scored_on_their_text():
+    chat = [[{"role": "assistant", "content": " 3"}], [{"role": "assistant", "content": "x"}]]
+    assert ExactMatch()(["p", "p"], chat, answer=["3", "3"]) == [1.0, 0.0]
+    assert FormatRegex(r"\d+")(["p", "p"], chat) == [1.0, 0.0]
+
+
+def test_hydra_takes_dotted_paths_and_partial_functions(tmp_path):
+    from segki_lightning.train import build_rewards
+
+    from .test_lightning import small
+
+    cfg = small(tmp_path, "rewards=[tests.test_rewards.correct]")
+    assert build_rewards(cfg) == [correct]
+    cfg = small(tmp_path, "rewards.0._target_=tests.test_rewards.only_short", "~rewards.0.pattern",
+                "+rewards.0._partial_=true")
+    fn = build_rewards(cfg)[0]
+    assert reward_name(fn) == "only_short" and fn(["p"], ["c"], completion_ids=[[1]]) == [1.0]
+    cfg = small(tmp_path, "rewards.0._target_=tests.test_rewards.only_short", "~rewards.0.pattern")
+    with pytest.raises(ValueError, match="_partial_: true"):
+        build_rewards(cfg)
