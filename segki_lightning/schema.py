@@ -1,15 +1,19 @@
-"""Structured-config schemas of ``segki-train``: a key that is not declared here fails with its name."""
+"""Structured-config schemas of ``segki-train``: a key that is not declared here fails with its name. Keys a
+config group must fill (``model.pretrained`` for ``model=pretrained``, ``task.path`` for ``task=jsonl``) are
+``???`` here, so forgetting them is an error instead of a silent fallback to the defaults."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from omegaconf import MISSING
 
 from .rl.config import GRPOConfig, PPOConfig
 
 
 @dataclass
 class ModelConf:
-    pretrained: str | None = None   # local checkpoint folder; None: the embedded tiny Qwen3.5
+    pretrained: str | None = MISSING   # local checkpoint folder; null (model=tiny_qwen35): the embedded tiny Qwen3.5
     dtype: str = "float32"
     hidden_size: int = 64
     num_layers: int = 4
@@ -27,7 +31,7 @@ class RolloutConf:
 
 @dataclass
 class TaskConf:
-    path: str | None = None         # .jsonl/.parquet prompts; None: the synthetic addition task
+    path: str | None = MISSING      # .jsonl/.parquet prompts; null (task=synthetic): the synthetic addition task
     prompt_column: str = "prompt"
     size: int = 4096
     prompts_per_step: int = 8

@@ -59,6 +59,9 @@ def build_data(cfg, repeat: int = 1):
 
     ds = (PromptFile(cfg.task.path, cfg.task.prompt_column) if cfg.task.path
           else SyntheticAddition(cfg.task.size, cfg.task.seed))
+    if len(ds) < cfg.task.prompts_per_step:
+        raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} but the prompts have only {len(ds)} rows: "
+                         "lower task.prompts_per_step or add prompts")
     gen = torch.Generator().manual_seed(cfg.task.seed)
     return ResumableLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=True, drop_last=True, collate_fn=collate,
                            generator=gen, repeat=repeat)
@@ -77,6 +80,20 @@ def build_loggers(cfg, root: str):
     return loggers
 
 
+HINTS = {"model.pretrained": "model.pretrained=/path/to/checkpoint (a folder saved with save_pretrained)",
+         "task.path": "task.path=/path/to/prompts.jsonl (or .parquet)"}
+
+
+def check_complete(cfg) -> None:
+    """Every ``???`` filled in, else one error naming the keys and how to set them."""
+    from omegaconf import OmegaConf
+
+    missing = OmegaConf.missing_keys(cfg)
+    if missing:
+        raise ValueError("missing required settings: " + "; ".join(
+            f"{k} (set {HINTS.get(k, k + '=...')})" for k in sorted(missing)))
+
+
 def run(cfg) -> dict:
     """Build policy, data, module and trainer from a composed config; fit; optionally export."""
     import lightning.pytorch as pl
@@ -86,6 +103,7 @@ def run(cfg) -> dict:
     from .lightning import RankConsistency, SegKICallback
     from .rl import GRPOConfig, GRPOModule, PPOConfig, PPOModule
 
+    check_complete(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
     rewards = build_rewards(cfg)

@@ -101,6 +101,8 @@ def test_eos_pads_and_masks_the_rest(tmp_path):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_new_tokens=0), "max_new_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(n=0), "n "), (dict(top_k=-1), "top_k"),
+    (dict(temperature=float("nan")), "finite"), (dict(temperature=float("inf")), "finite"),
+    (dict(top_p=float("nan")), "top_p"),
 ])
 def test_bad_sampling_settings_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -121,6 +123,12 @@ def test_bad_prompts_are_clear_errors_and_lose_nothing(tmp_path):
         engine.generate([[2, VOCAB]], cfg)
     with pytest.raises(ValueError, match="prompts is empty"):
         engine.generate([], cfg)
+    with pytest.raises(TypeError, match="token ids"):
+        engine.generate("1+2=", cfg)
+    with pytest.raises(TypeError, match="must be integers"):
+        engine.generate([torch.tensor([2.0, 3.0])], cfg)
+    with pytest.raises(TypeError, match="Python ints"):
+        engine.generate([[2, 3.5]], cfg)
     assert engine.generate([[2, 3]], cfg).completion_ids.shape == (1, 4)  # the engine still works
 
 

@@ -37,6 +37,18 @@ class Scored:
     rollout_s: float
 
 
+def check_batch(batch: Any) -> None:
+    """A training batch is a dict of column lists with a ``prompt`` column (what ``collate`` makes)."""
+    prompts = batch.get("prompt") if isinstance(batch, dict) else None
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        got = f"a {type(batch).__name__}" + (f" whose 'prompt' is a {type(prompts).__name__}"
+                                             if isinstance(batch, dict) else "")
+        raise TypeError(f"training_step needs a batch of prompts (a dict of column lists with a 'prompt' list), got "
+                        f"{got}: wrap the dataset in a DataLoader with collate_fn=segki_lightning.rl.task.collate "
+                        "and batch_size=<prompts per step>, e.g. ResumableLoader(dataset, batch_size=8, "
+                        "collate_fn=collate)")
+
+
 class RLModule(SegKIRolloutMixin, pl.LightningModule):
     """Base of the RL LightningModules: ``self.policy`` trained in place, rollouts from the same weights."""
 
@@ -65,6 +77,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         recipe's loader repeats each batch for the steps of one rollout), then the next rows, micro-batched."""
         self._last_rollout_s = 0.0
         if not self._buffer:
+            check_batch(batch)
             self._buffer = self.prepare(batch)
             self.log_rollout(self._buffer.scored, len(batch["prompt"]))
         buf = self._buffer

@@ -54,7 +54,14 @@ class PromptFile(Dataset):
         kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)
         if kind is None:
             raise ValueError(f"prompt file {path}: use .jsonl, .json or .parquet")
-        self.data = datasets.load_dataset(kind, data_files=str(p), split="train")
+        if p.stat().st_size == 0:
+            raise ValueError(f"prompt file {path} is empty: give task.path a file with one prompt per row")
+        try:
+            self.data = datasets.load_dataset(kind, data_files=str(p), split="train")
+        except Exception as err:   # datasets raises bare StopIteration / its own errors on unreadable files
+            raise ValueError(f"prompt file {path} could not be read as {kind}: {type(err).__name__} {err}") from err
+        if len(self.data) == 0:
+            raise ValueError(f"prompt file {path} has no rows")
         if prompt_column not in self.data.column_names:
             raise ValueError(f"{path} has no column {prompt_column!r} (columns: {self.data.column_names})")
         self.prompt_column = prompt_column

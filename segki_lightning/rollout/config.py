@@ -1,6 +1,7 @@
 """What to generate: sampling settings, checked up front with messages that say what to change."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -27,11 +28,11 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 means off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < self.top_p <= 1.0:   # (False for NaN too)
             raise ValueError(f"top_p must be in (0, 1] (1 means off), got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")

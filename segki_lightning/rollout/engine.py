@@ -157,11 +157,19 @@ class RolloutEngine:
     def _check_prompts(self, prompts, sampling: SamplingConfig) -> list[list[int]]:
         if not isinstance(sampling, SamplingConfig):
             raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
+        if isinstance(prompts, (str, bytes)) or any(isinstance(p, (str, bytes)) for p in prompts):
+            raise TypeError("generate takes token ids (a list of lists of ints); tokenize strings first, or call "
+                            "SegKIRolloutMixin.rollout, which takes strings and chat messages")
         if len(prompts) == 0:
             raise ValueError("prompts is empty: pass at least one list of token ids")
         out = []
         for i, p in enumerate(prompts):
+            if isinstance(p, Tensor) and (p.is_floating_point() or p.is_complex()):
+                raise TypeError(f"prompt {i} is a {p.dtype} tensor: token ids must be integers")
             ids = p.tolist() if isinstance(p, Tensor) else list(p)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                bad = next(t for t in ids if not isinstance(t, int) or isinstance(t, bool))
+                raise TypeError(f"prompt {i} holds {bad!r} ({type(bad).__name__}): token ids must be Python ints")
             if not ids:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
             if min(ids) < 0 or max(ids) >= self.vocab_size:

@@ -1,0 +1,47 @@
+"""No silent fallbacks: each way a new user got a misleading run or a bare traceback is a clear error that names
+what to change (or correct behaviour)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from segki_lightning.train import run
+
+from .test_lightning import small, tiny_module
+
+
+@pytest.mark.parametrize("group,key", [("task=jsonl", "task.path"), ("model=pretrained", "model.pretrained")])
+def test_a_group_without_its_required_key_is_an_error(tmp_path, group, key):
+    with pytest.raises(ValueError, match=f"missing required settings: {key}.*set {key}="):
+        run(small(tmp_path, group))
+    assert not (tmp_path / "checkpoints").exists()   # nothing trained on the defaults
+
+
+def test_empty_and_short_prompt_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        run(small(tmp_path, "task=jsonl", f"task.path={empty}"))
+    short = tmp_path / "short.jsonl"
+    short.write_text("\n".join(json.dumps({"prompt": "1+2=", "answer": "3"}) for _ in range(3)))
+    with pytest.raises(ValueError, match="prompts_per_step=8 but the prompts have only 3 rows"):
+        run(small(tmp_path, "task=jsonl", f"task.path={short}", "task.prompts_per_step=8"))
+
+
+def test_a_row_without_the_rewards_column_names_it(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"prompt": "1+2=", "solution": "3"}) for _ in range(4)))
+    with pytest.raises(KeyError, match="needs the dataset column 'answer'.*'solution'"):
+        run(small(tmp_path, "task=jsonl", f"task.path={rows}"))
+
+
+def test_fit_on_a_bare_dataset_says_how_to_batch_it(tmp_path):
+    import datasets
+    import lightning.pytorch as pl
+
+    data = datasets.Dataset.from_list([{"prompt": "1+2=", "answer": "3"}] * 4)
+    trainer = pl.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         default_root_dir=tmp_path)
+    with pytest.raises(TypeError, match="collate_fn=segki_lightning.rl.task.collate"):
+        trainer.fit(tiny_module(), train_dataloaders=data)
