@@ -46,10 +46,11 @@ class TrainerConf:
     precision: str = "32-true"
     max_steps: int = 200
     log_every_n_steps: int = 1
-    gradient_clip_val: float | None = 1.0
+    gradient_clip_val: float | None = None   # Lightning's; algo.max_grad_norm (TRL's, 1.0) clips when this is null
     accumulate_grad_batches: int = 1
     enable_progress_bar: bool = True
     default_root_dir: str = "."
+    logger: Any = None                        # false: no loggers; null: the `logger` group's
 
 
 @dataclass
@@ -71,7 +72,7 @@ class Recipe:
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     ckpt_path: str | None = None    # resume from this Lightning checkpoint
     export_dir: str | None = None   # save_pretrained the trained policy here
-    tensorboard: bool = True        # also log to TensorBoard when it is installed
+    logger: dict[str, Any] = field(default_factory=dict)   # Lightning loggers by name ({_target_: ...}), `logger=` group
     seed: int = 0
 
 

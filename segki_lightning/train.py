@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 import sys
 from pathlib import Path
 
@@ -67,21 +68,44 @@ def build_data(cfg, repeat: int = 1):
                            generator=gen, repeat=repeat)
 
 
-def build_loggers(cfg, root: str):
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+def build_loggers(cfg) -> Any:
+    """The Trainer's ``logger``: ``trainer.logger`` when set (``false``: none), else every logger of the ``logger``
+    config group (Lightning loggers by name); a logger whose package is missing is a clear error."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
 
-    loggers = [CSVLogger(root, name="logs", version="")]
-    if cfg.tensorboard:
+    if cfg.trainer.logger is not None:
+        return cfg.trainer.logger
+    loggers = []
+    for name, node in cfg.logger.items():
         try:
-            import tensorboard  # noqa: F401
-            loggers.append(TensorBoardLogger(root, name="tb", version=""))
-        except ImportError:
-            pass
+            loggers.append(instantiate(node))
+        except (InstantiationException, ModuleNotFoundError, ImportError) as err:
+            raise RuntimeError(f"logger {name!r} could not be created ({err}); install its package (e.g. pip install "
+                               f"{name}) or choose another: logger=csv|tensorboard|wandb|mlflow") from None
     return loggers
 
 
 HINTS = {"model.pretrained": "model.pretrained=/path/to/checkpoint (a folder saved with save_pretrained)",
          "task.path": "task.path=/path/to/prompts.jsonl (or .parquet)"}
+
+
+class _NotOnCPU(logging.Filter):
+    """Drops transformers' "falling back to the reference PyTorch implementation" notices: they name CUDA kernel
+    packages, which a CPU run cannot use anyway."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+def quiet_known_warnings(cfg) -> None:
+    """Third-party notices that do not apply to a segki-train run (the README lists them)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")   # Lightning vs newer torch
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")          # the frozen reference model
+    if cfg.trainer.accelerator == "cpu":
+        logging.getLogger("transformers.integrations.hub_kernels").addFilter(_NotOnCPU())
 
 
 def check_complete(cfg) -> None:
@@ -100,10 +124,11 @@ def run(cfg) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from omegaconf import OmegaConf
 
-    from .lightning import RankConsistency, SegKICallback
+    from .lightning import RankConsistency, SegKICallback, StepProgressBar
     from .rl import GRPOConfig, GRPOModule, PPOConfig, PPOModule
 
     check_complete(cfg)
+    quiet_known_warnings(cfg)
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
     rewards = build_rewards(cfg)
@@ -118,7 +143,10 @@ def run(cfg) -> dict:
                            save_last=cfg.checkpoint.save_last, save_top_k=-1)
     callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer = pl.Trainer(**trainer_kw, callbacks=callbacks, logger=build_loggers(cfg, root))
+    trainer_kw["logger"] = build_loggers(cfg)
+    if trainer_kw["enable_progress_bar"]:
+        callbacks.append(StepProgressBar())
+    trainer = pl.Trainer(**trainer_kw, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=build_data(cfg, algo.steps_per_rollout), ckpt_path=cfg.ckpt_path)
     if cfg.export_dir:
         export(module, cfg.export_dir)

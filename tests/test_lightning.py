@@ -91,7 +91,7 @@ def test_colocation_contract(tmp_path):
 
     greedy = SamplingConfig(max_new_tokens=5, temperature=0.0, n=1)
     before = module.rollout(prompts, greedy).completion_ids
-    opt = module.configure_optimizers()
+    opt = module.configure_optimizers()["optimizer"]
     module.train()
     loss = module.training_step({"prompt": prompts, "answer": ["3", "7"]}, 0)
     loss = loss + 0.0 * sum(p.sum() for p in module.policy.parameters())  # every parameter in the graph

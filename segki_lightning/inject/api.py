@@ -85,7 +85,7 @@ def apply_segment_ki(model: nn.Module, kinds: Iterable[str] = KINDS, verify: boo
             report.replaced[s.kind] += 1
     _record_backends(model, report)
     model.__dict__[_REPORT] = report
-    log.info("segki: injected segments\n%s", report)
+    log.debug("segki: injected segments\n%s", report)
     return report
 
 

@@ -2,5 +2,6 @@
 from .callback import SegKICallback
 from .consistency import RankConsistency
 from .mixin import SegKIRolloutMixin
+from .progress import StepProgressBar
 
-__all__ = ["RankConsistency", "SegKICallback", "SegKIRolloutMixin"]
+__all__ = ["RankConsistency", "SegKICallback", "SegKIRolloutMixin", "StepProgressBar"]

@@ -19,7 +19,7 @@ from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
 from .logprobs import TokenScores, completion_logprobs
 from .losses import Totals
-from .optim import build_optimizer
+from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
 from .task import completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
@@ -111,8 +111,28 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         return (weights if c.importance_sampling_correction else None), {f"rollout/{k}": v for k, v in stats.items()}
 
     def configure_optimizers(self):
+        """AdamW (fp32 masters for half-precision weights) and the per-step ``lr_scheduler_type`` schedule."""
         c = self.cfg
-        return build_optimizer(self.parameters(), c.learning_rate, c.weight_decay, c.master_weights)
+        opt = build_optimizer(self.parameters(), c.learning_rate, c.weight_decay, c.master_weights)
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        sched = build_scheduler(opt, c.lr_scheduler_type, max(total, 1), c.warmup_steps, c.warmup_ratio)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """``max_grad_norm`` (TRL) clips the gradient norm; a Trainer ``gradient_clip_val`` takes precedence."""
+        if gradient_clip_val is None and self.cfg.max_grad_norm is not None:
+            gradient_clip_val, gradient_clip_algorithm = self.cfg.max_grad_norm, "norm"
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """The gradient norm before clipping and the learning rate of this step (TRL's ``grad_norm``,
+        ``learning_rate``)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            self.log("train/grad_norm", norm, sync_dist=True)
+        self.log("train/learning_rate", float(optimizer.param_groups[0]["lr"]))
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer) -> None:
         """Nothing here: Lightning zeroes between ``training_step`` and its backward, which would drop the

@@ -22,7 +22,11 @@ class RLConfig:
 
     Sampler/trainer correction (TRL's ``vllm_importance_sampling_*``; our sampler is the rollout engine): each
     token's loss is weighted by ``exp(trainer_old_logp - engine_logp)`` (per token, or summed per sequence),
-    truncated to ``[clip_min, clip_max]`` or masked to 0 outside it."""
+    truncated to ``[clip_min, clip_max]`` or masked to 0 outside it.
+
+    Schedule (transformers' ``get_scheduler``): ``lr_scheduler_type`` over the run's optimizer steps, after
+    ``warmup_steps`` (or, when 0, ``warmup_ratio`` of them); ``max_grad_norm`` clips the gradient norm unless the
+    Trainer's ``gradient_clip_val`` is set."""
 
     num_generations: int = 1
     reward_weights: list[float] | None = None
@@ -32,6 +36,10 @@ class RLConfig:
     max_completion_length: int = 256
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
+    lr_scheduler_type: str = "linear"
+    warmup_ratio: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float | None = 1.0
     micro_batch_size: int | None = None
     master_weights: bool = True
     logprob_chunk: int | None = None
@@ -43,6 +51,16 @@ class RLConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        from transformers import SchedulerType
+
+        kinds = sorted(t.value for t in SchedulerType if t.value != "reduce_lr_on_plateau")
+        if self.lr_scheduler_type not in kinds:
+            raise ValueError(f"lr_scheduler_type must be one of {kinds}, got {self.lr_scheduler_type!r}")
+        if not 0.0 <= self.warmup_ratio < 1.0 or self.warmup_steps < 0:
+            raise ValueError(f"warmup_ratio must be in [0, 1) and warmup_steps >= 0, got {self.warmup_ratio}, "
+                             f"{self.warmup_steps}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 (or null for no clipping), got {self.max_grad_norm}")
         if self.importance_sampling_mode not in IS_MODES:
             raise ValueError(f"importance_sampling_mode must be one of {IS_MODES}, got {self.importance_sampling_mode!r}")
         lo = self.importance_sampling_clip_min

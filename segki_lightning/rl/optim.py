@@ -10,6 +10,7 @@ We chose master weights over stochastic rounding: the run equals an fp32 run's o
 (testable to 1e-7), costs 4 bytes per parameter, and works with every torch optimizer unchanged."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any, Callable
 
@@ -116,3 +117,13 @@ def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, ma
     if master_weights and any(p.dtype in HALF for p in params):
         return MasterWeightOptimizer(params, torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: int, warmup_steps: int = 0,
+                    warmup_ratio: float = 0.0):
+    """transformers' ``get_scheduler`` (TRL's ``lr_scheduler_type``): warmup of ``warmup_steps`` optimizer steps,
+    or ``warmup_ratio`` of ``total_steps`` when that is 0."""
+    from transformers import get_scheduler
+
+    warmup = warmup_steps or math.ceil(warmup_ratio * total_steps)
+    return get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)

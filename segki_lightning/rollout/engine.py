@@ -91,7 +91,7 @@ class RolloutEngine:
         self.path = f"{'graph' if self.graph_capture else 'eager'}+{'native' if native else 'reference'}"
         if graph_capture and not self.graph_capture:
             log.warning("segki: CUDA-graph capture needs a CUDA model; decoding eagerly (%s)", self.path)
-        log.info("segki: rollout path %s", self.path)
+        log.debug("segki: rollout path %s", self.path)
         self.cache: StaticHybridCache | None = None
         self.state: _DecodeState | None = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
