@@ -6,16 +6,27 @@
 """
 from __future__ import annotations
 
+import importlib.resources
 import logging
-from typing import Any
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RECIPES, CONFIGS = ROOT / "recipes", ROOT / "configs"
 log = logging.getLogger("segki_lightning")
+
+
+def shipped(name: str) -> Path:
+    """The ``recipes``/``configs`` folder: installed as ``segki_lightning.<name>`` (package data of a wheel or an
+    editable install), else beside the package in a source checkout."""
+    try:
+        return Path(str(importlib.resources.files(f"segki_lightning.{name}")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parent.parent / name
+
+
+RECIPES, CONFIGS = shipped("recipes"), shipped("configs")
 
 
 def build_policy(cfg):
@@ -170,7 +181,7 @@ def main() -> None:
     from .schema import register
 
     register()
-    sys.argv.append(f"hydra.searchpath=[file://{CONFIGS}]")
+    sys.argv[1:1] = ["--config-dir", str(CONFIGS)]   # the config groups (also listed by --help)
 
     @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="grpo")
     def _entry(cfg) -> None:
