@@ -35,6 +35,8 @@ class TaskConf:
     prompt_column: str = "prompt"
     size: int = 4096
     prompts_per_step: int = 8
+    eval_path: str | None = None    # held-out prompts for validation (.jsonl/.parquet); None: eval_size synthetic ones
+    eval_size: int = 64             # synthetic held-out prompts (0: no validation on the synthetic task)
     seed: int = 0
 
 
@@ -48,6 +50,9 @@ class TrainerConf:
     log_every_n_steps: int = 1
     gradient_clip_val: float | None = None   # Lightning's; algo.max_grad_norm (TRL's, 1.0) clips when this is null
     accumulate_grad_batches: int = 1
+    val_check_interval: Any = 50              # validate every N training steps (greedy rollouts of held-out prompts)
+    check_val_every_n_epoch: int | None = None
+    num_sanity_val_steps: int = 0
     enable_progress_bar: bool = True
     default_root_dir: str = "."
     logger: Any = None                        # false: no loggers; null: the `logger` group's

@@ -97,6 +97,22 @@ def build_loggers(cfg) -> Any:
     return loggers
 
 
+def build_eval_data(cfg):
+    """Held-out prompts for validation: ``task.eval_path``, else ``task.eval_size`` synthetic prompts (another
+    seed) when the task is synthetic; None when there are none."""
+    from torch.utils.data import DataLoader
+
+    from .rl.task import PromptFile, SyntheticAddition, collate
+
+    if cfg.task.eval_path:
+        ds = PromptFile(cfg.task.eval_path, cfg.task.prompt_column)
+    elif cfg.task.path is None and cfg.task.eval_size > 0:
+        ds = SyntheticAddition(cfg.task.eval_size, cfg.task.seed + 1)
+    else:
+        return None
+    return DataLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=False, collate_fn=collate)
+
+
 HINTS = {"model.pretrained": "model.pretrained=/path/to/checkpoint (a folder saved with save_pretrained)",
          "task.path": "task.path=/path/to/prompts.jsonl (or .parquet)"}
 
@@ -158,7 +174,8 @@ def run(cfg) -> dict:
     if trainer_kw["enable_progress_bar"]:
         callbacks.append(StepProgressBar())
     trainer = pl.Trainer(**trainer_kw, callbacks=callbacks)
-    trainer.fit(module, train_dataloaders=build_data(cfg, algo.steps_per_rollout), ckpt_path=cfg.ckpt_path)
+    trainer.fit(module, train_dataloaders=build_data(cfg, algo.steps_per_rollout), val_dataloaders=build_eval_data(cfg),
+                ckpt_path=cfg.ckpt_path)
     if cfg.export_dir:
         export(module, cfg.export_dir)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -8,6 +8,20 @@ import torch
 from ..rollout import RolloutBatch, RolloutEngine, SamplingConfig
 
 
+def is_conversation(prompt) -> bool:
+    """A list of ``{"role": ..., "content": ...}`` messages (TRL's conversational format)."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+
+
+def render_chat(tokenizer, messages) -> str:
+    """``messages`` through the tokenizer's chat template, ending with the assistant's generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat prompts need a tokenizer with a chat template (tokenizer.chat_template is empty): "
+                         "set one, or pass prompts as strings")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
 class SegKIRolloutMixin:
     """Adds :meth:`rollout`. Uses the :class:`SegKICallback`'s engine when the trainer has one, otherwise an
     eager engine on the plain forward (built on first use). Expects ``self.policy`` (the Hugging Face model)
@@ -16,9 +30,10 @@ class SegKIRolloutMixin:
     rollout_max_batch_size: int = 64
     rollout_max_seq_len: int = 2048
 
-    def rollout(self, prompts: Sequence[str] | Sequence[Sequence[int]], sampling: SamplingConfig) -> RolloutBatch:
+    def rollout(self, prompts: Sequence, sampling: SamplingConfig) -> RolloutBatch:
         """Generate ``sampling.n`` completions per prompt from the current weights (eval mode, no grad); the
-        module's training mode is restored afterwards."""
+        module's training mode is restored afterwards. A prompt is a string, a conversation (list of
+        ``{"role", "content"}`` messages, rendered with the chat template) or a list of token ids."""
         ids = [self._prompt_ids(p) for p in prompts]
         engine = self._rollout_engine()
         batch = engine.generate(ids, sampling)  # generate() switches to eval/no-grad and back
@@ -28,12 +43,19 @@ class SegKIRolloutMixin:
         return batch
 
     def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
+        """Token ids of a prompt: ids as given; a string tokenized without special tokens; a conversation (a list
+        of ``{"role", "content"}`` messages, TRL's conversational format) rendered with the tokenizer's chat
+        template and a generation prompt, then tokenized."""
+        if isinstance(prompt, torch.Tensor):
+            return prompt.tolist()
+        if isinstance(prompt, str) or is_conversation(prompt):
             tok = getattr(self, "tokenizer", None)
             if tok is None:
-                raise TypeError("string prompts need self.tokenizer; pass token ids instead")
+                raise TypeError("string and chat prompts need self.tokenizer; pass token ids instead")
+            if not isinstance(prompt, str):
+                prompt = render_chat(tok, prompt)
             return tok(prompt, add_special_tokens=False)["input_ids"]
-        return prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        return list(prompt)
 
     def _rollout_engine(self) -> RolloutEngine:
         cb = self.__dict__.get("_segki_callback")

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..lightning import SegKIRolloutMixin
+from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, SamplingConfig
 from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
@@ -79,6 +80,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if not self._buffer:
             check_batch(batch)
             self._buffer = self.prepare(batch)
+            self._last_rollout_s = self._buffer.scored.rollout_s
             self.log_rollout(self._buffer.scored, len(batch["prompt"]))
         buf = self._buffer
         rows = buf.next_rows()
@@ -89,6 +91,17 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         loss, total, stats = self.accumulate(rows, lambda r: self.step_loss(buf, r, totals))
         self.log_step(total, stats, len(batch["prompt"]))
         return loss
+
+    def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
+        """Greedy rollouts of held-out prompts, one completion each (graph-captured on GPU like training's):
+        ``val/reward``, ``val/rewards/<function>``, ``val/completion_length``."""
+        check_batch(batch)
+        s = self.rollout_and_score(batch, 1, greedy=True)
+        kw = dict(batch_size=len(batch["prompt"]), sync_dist=True)
+        self.log("val/reward", s.rewards.mean(), prog_bar=True, **kw)
+        for name, v in s.means.items():
+            self.log(f"val/rewards/{name}", v, **kw)
+        self.log("val/completion_length", s.batch.completion_mask.sum(1).float().mean(), **kw)
 
     @torch.no_grad()
     def score_all(self, model: nn.Module, ro: RolloutBatch, value_head: nn.Module | None = None) -> TokenScores:
@@ -169,21 +182,30 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         else:
             loss.backward()
 
-    def sampling(self, n: int) -> SamplingConfig:
+    def sampling(self, n: int, greedy: bool = False) -> SamplingConfig:
         c = self.cfg
+        if greedy:
+            return SamplingConfig(max_new_tokens=c.max_completion_length, temperature=0.0, n=n)
         return SamplingConfig(max_new_tokens=c.max_completion_length, temperature=c.temperature, top_k=c.top_k,
                               top_p=c.top_p, n=n, seed=c.seed + self.global_step)
 
-    def rollout_and_score(self, batch: dict[str, list], n: int) -> Scored:
+    def prompt_ids(self, prompts: list) -> list[list[int]]:
+        """Token ids of each prompt (string, conversation or ids), cut from the left to ``max_prompt_length``."""
+        keep = self.cfg.max_prompt_length
+        return [ids[-keep:] if keep else ids for ids in (self._prompt_ids(p) for p in prompts)]
+
+    def rollout_and_score(self, batch: dict[str, list], n: int, greedy: bool = False) -> Scored:
+        """Roll out ``n`` completions of every prompt of ``batch`` and score them with the reward functions, which
+        get what TRL passes: the prompts as given and, for conversations, each completion as one assistant message."""
         t0 = time.perf_counter()
-        ro = self.rollout(batch["prompt"], self.sampling(n))
+        ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy))
         rollout_s = time.perf_counter() - t0
-        self._last_rollout_s = rollout_s
-        self._last_train_tokens = int(ro.prompt_mask.sum() + ro.completion_mask.sum())
         texts = decode(self.tokenizer, ro.completion_ids, ro.completion_mask)
         columns = {k: [v for v in vals for _ in range(n)] for k, vals in batch.items() if k != "prompt"}
         prompts = [p for p in batch["prompt"] for _ in range(n)]
-        total, means = score(self.rewards, prompts, texts, columns, completion_ids=completion_token_ids(
+        chat = is_conversation(prompts[0])
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        total, means = score(self.rewards, prompts, completions, columns, completion_ids=completion_token_ids(
             ro.completion_ids, ro.completion_mask))
         rewards = torch.tensor(total, dtype=torch.float32, device=self.device)
         return Scored(ro, prompts, texts, rewards, means, rollout_s)

@@ -33,6 +33,7 @@ class RLConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    max_prompt_length: int | None = 512
     max_completion_length: int = 256
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
@@ -67,6 +68,8 @@ class RLConfig:
         if self.importance_sampling_clip_max <= 0 or (lo is not None and not 0 <= lo < self.importance_sampling_clip_max):
             raise ValueError("importance_sampling_clip_max must be > 0 and importance_sampling_clip_min in "
                              f"[0, clip_max) or null, got {lo}, {self.importance_sampling_clip_max}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1 token (or null: no limit), got {self.max_prompt_length}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 row (or null for all rows), got {self.micro_batch_size}")
         if self.logprob_chunk is not None and self.logprob_chunk < 1:

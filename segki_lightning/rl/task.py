@@ -10,10 +10,14 @@ from torch.utils.data import Dataset
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz +-=?:.,")
+# "role: content " per message, then "assistant: " to generate (only characters the tokenizer knows)
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
 def char_tokenizer():
-    """A real ``PreTrainedTokenizerFast`` over single characters (ids: pad 0, eos 1, unk 2)."""
+    """A real ``PreTrainedTokenizerFast`` over single characters (ids: pad 0, eos 1, unk 2), with a simple chat
+    template so conversational prompts work on the embedded default too."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -21,7 +25,8 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
 class SyntheticAddition(Dataset):
