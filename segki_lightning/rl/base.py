@@ -2,10 +2,8 @@
 (fp32 master weights for half-precision models), micro-batched steps, step timing and logging."""
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,7 +20,8 @@ from .logprobs import TokenScores, completion_logprobs
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
-from .task import completion_token_ids, decode
+from .metrics import write_completions
+from .task import check_batch, completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
 
 
@@ -36,18 +35,6 @@ class Scored:
     rewards: Tensor              # [N] fp32 weighted reward
     means: dict[str, float]      # mean of each reward function
     rollout_s: float
-
-
-def check_batch(batch: Any) -> None:
-    """A training batch is a dict of column lists with a ``prompt`` column (what ``collate`` makes)."""
-    prompts = batch.get("prompt") if isinstance(batch, dict) else None
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        got = f"a {type(batch).__name__}" + (f" whose 'prompt' is a {type(prompts).__name__}"
-                                             if isinstance(batch, dict) else "")
-        raise TypeError(f"training_step needs a batch of prompts (a dict of column lists with a 'prompt' list), got "
-                        f"{got}: wrap the dataset in a DataLoader with collate_fn=segki_lightning.rl.task.collate "
-                        "and batch_size=<prompts per step>, e.g. ResumableLoader(dataset, batch_size=8, "
-                        "collate_fn=collate)")
 
 
 class RLModule(SegKIRolloutMixin, pl.LightningModule):
@@ -222,8 +209,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                  batch_size=n_prompts, sync_dist=True, reduce_fx="sum")
         every = getattr(self.cfg, "log_completions_every", 0)
         if every and self.global_step % every == 0:
-            self._log_completions([dict(step=self.global_step, prompt=p, completion=c, reward=float(r))
-                                   for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:4]])
+            rows = [dict(step=self.global_step, prompt=p, completion=c, reward=float(r))
+                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:4]]
+            if self.global_rank == 0:
+                write_completions(self.loggers, rows, self.global_step)
 
     def log_step(self, loss: Tensor, stats: dict[str, Tensor], n_prompts: int) -> None:
         """Metrics of every optimizer step: the loss and the loss's stats (``train/...``, or as named)."""
@@ -259,20 +248,3 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.log("time/rollout_s", self._last_rollout_s, **kw)
         self.log("time/train_tokens_per_s", self._last_train_tokens / max(step_s - self._last_rollout_s, 1e-9),
                  batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="sum")
-
-    def _log_completions(self, rows: list[dict]) -> None:
-        """A few sample completions: a TensorBoard text table when that logger is present, else a JSONL
-        file beside the logs (rank zero only)."""
-        if self.global_rank != 0:
-            return
-        for logger in self.loggers:
-            exp = getattr(logger, "experiment", None)
-            if hasattr(exp, "add_text"):
-                table = "\n".join(f"| {r['prompt']} | {r['completion']} | {r['reward']:.2f} |" for r in rows)
-                exp.add_text("completions", "| prompt | completion | reward |\n|---|---|---|\n" + table,
-                             self.global_step)
-            elif getattr(logger, "log_dir", None):
-                path = Path(logger.log_dir) / "completions.jsonl"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("a") as f:
-                    f.writelines(json.dumps(r) + "\n" for r in rows)

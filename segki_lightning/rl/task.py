@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -78,6 +79,18 @@ class PromptFile(Dataset):
         row = dict(self.data[i])
         row["prompt"] = row.pop(self.prompt_column)
         return row
+
+
+def check_batch(batch: Any) -> None:
+    """A training batch is a dict of column lists with a ``prompt`` column (what ``collate`` makes)."""
+    prompts = batch.get("prompt") if isinstance(batch, dict) else None
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        got = f"a {type(batch).__name__}" + (f" whose 'prompt' is a {type(prompts).__name__}"
+                                             if isinstance(batch, dict) else "")
+        raise TypeError(f"training_step needs a batch of prompts (a dict of column lists with a 'prompt' list), got "
+                        f"{got}: wrap the dataset in a DataLoader with collate_fn=segki_lightning.rl.task.collate "
+                        "and batch_size=<prompts per step>, e.g. ResumableLoader(dataset, batch_size=8, "
+                        "collate_fn=collate)")
 
 
 def collate(rows: list[dict]) -> dict[str, list]:
