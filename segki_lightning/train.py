@@ -64,13 +64,19 @@ def build_rewards(cfg) -> list:
     return out
 
 
+def prompts(cfg, path: str | None, size: int, seed: int):
+    """Prompts of a local file at ``path`` (its ``task.prompt_column``), else ``size`` synthetic ones."""
+    from .rl.task import PromptFile, SyntheticAddition
+
+    return PromptFile(path, cfg.task.prompt_column) if path else SyntheticAddition(size, seed)
+
+
 def build_data(cfg, repeat: int = 1):
     """The prompt loader; each batch is handed out ``repeat`` times (the optimizer steps of one rollout)."""
     from .rl.loader import ResumableLoader
-    from .rl.task import PromptFile, SyntheticAddition, collate
+    from .rl.task import collate
 
-    ds = (PromptFile(cfg.task.path, cfg.task.prompt_column) if cfg.task.path
-          else SyntheticAddition(cfg.task.size, cfg.task.seed))
+    ds = prompts(cfg, cfg.task.path, cfg.task.size, cfg.task.seed)
     if len(ds) < cfg.task.prompts_per_step:
         raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} but the prompts have only {len(ds)} rows: "
                          "lower task.prompts_per_step or add prompts")
@@ -102,14 +108,11 @@ def build_eval_data(cfg):
     seed) when the task is synthetic; None when there are none."""
     from torch.utils.data import DataLoader
 
-    from .rl.task import PromptFile, SyntheticAddition, collate
+    from .rl.task import collate
 
-    if cfg.task.eval_path:
-        ds = PromptFile(cfg.task.eval_path, cfg.task.prompt_column)
-    elif cfg.task.path is None and cfg.task.eval_size > 0:
-        ds = SyntheticAddition(cfg.task.eval_size, cfg.task.seed + 1)
-    else:
+    if not cfg.task.eval_path and (cfg.task.path or cfg.task.eval_size <= 0):
         return None
+    ds = prompts(cfg, cfg.task.eval_path, cfg.task.eval_size, cfg.task.seed + 1)
     return DataLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=False, collate_fn=collate)
 
 
