@@ -15,7 +15,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
 
 namespace segki {
 namespace {
@@ -43,12 +42,16 @@ struct GemvArgs {
   const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
 };
 
-// SEGKI_GEMV_PREFETCH=<bytes> limits the L2 warm-up before the PDL wait to the first <bytes> of each weight
-// row's K slice (0: none); unset warms the whole slice. A switch for measuring what the warm-up is worth.
+// Before the PDL wait each block warms the first kPrefetchBytes of each of its weight rows' K slice into L2
+// (measured on the H200, 4B shape, b=1: 2 KB gives 77-88 % of copy bandwidth on the input projections against
+// 66-70 % for the whole slice and 74-86 % for none; decode 288 -> 315 tok/s, 0.8B unchanged).
+// SEGKI_GEMV_PREFETCH=<bytes> sets another amount (0: none, -1: the whole slice), for measurements.
+constexpr long kPrefetchBytes = 2048;
+
 inline int prefetch_cols(size_t elem_size) {
   static const long bytes = [] {
     const char* v = std::getenv("SEGKI_GEMV_PREFETCH");
-    return v == nullptr ? -1L : std::max(0L, std::atol(v));
+    return v == nullptr ? kPrefetchBytes : std::max(-1L, std::atol(v));
   }();
   return bytes < 0 ? -1 : (int)(bytes / (long)elem_size);
 }
@@ -115,79 +118,6 @@ __device__ __forceinline__ void tile_dot(const T* __restrict__ w, int rows_left,
   }
 }
 
-// ---- staged variant (SEGKI_GEMV_MMA=staged): each warp streams its 16 weight rows through its own ring of
-// kStages shared-memory slots with cp.async (bypassing L1), kStages - 1 slots in flight while it computes
-// on one. A slot holds 128 k (256 contiguous bytes) of each row, written by whole-row 256-byte copies (two
-// rows per instruction); 16-byte chunk c of row r sits at chunk c ^ (r & 7), so the fragment reads below
-// (8 rows x 4 chunks per instruction) hit every bank group once per wavefront. The first slots are filled
-// before the PDL wait: weights are never written by a kernel of the step.
-constexpr int kStages = 4;
-constexpr int kStageK = 128;                         // k per slot = 4 k blocks
-constexpr int kSlotBytes = 16 * kStageK * 2;         // 16 rows x 256 bytes
-constexpr int kRingBytes = kStages * kSlotBytes;     // per warp
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-// Copy k [k0, k0 + kStageK) of the warp's rows into `slot`; chunks past `kend` or `rows_left` become zeros.
-template <typename T>
-__device__ __forceinline__ void stage_copy(const T* w, int rows_left, int k, int k0, int kend, char* slot) {
-  const int lane = threadIdx.x & 31, c = lane & 15;
-  const int kk = k0 + c * 8;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int r = 2 * i + (lane >> 4);
-    const bool ok = r < rows_left && kk < kend;
-    cp_async16(slot + r * 256 + ((c ^ (r & 7)) * 16), ok ? w + (size_t)r * k + kk : w, ok);
-  }
-}
-
-// The same fragments as tile_dot, for the slot holding k [k0, k0 + kStageK).
-template <typename T, int NB>
-__device__ __forceinline__ void slot_dot(const char* slot, const T* __restrict__ x, int m, int k, int k0, int kend,
-                                         float acc[NB][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int kb = 0; kb < kStageK / 32; ++kb) {
-    if (k0 + kb * 32 >= kend) break;  // the same for the whole warp
-    const int c = kb * 4 + t, kk = k0 + c * 8;
-    const uint4 wl = *reinterpret_cast<const uint4*>(slot + g * 256 + ((c ^ g) * 16));
-    const uint4 wh = *reinterpret_cast<const uint4*>(slot + (g + 8) * 256 + ((c ^ g) * 16));  // (g + 8) & 7 == g
-    kblock_mma<T, NB>(wl, wh, x, m, k, kk, kk < kend, acc);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void ring_prologue(const T* w, int rows_left, int k, int k_lo, int kend, char* ring) {
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (k_lo + s * kStageK < kend) stage_copy<T>(w, rows_left, k, k_lo + s * kStageK, kend, ring + s * kSlotBytes);
-    cp_async_commit();  // empty groups too: the wait count below stays uniform
-  }
-}
-
-// Consume k [k_lo, kend) through the ring whose first kStages - 1 slots ring_prologue has requested.
-template <typename T, int NB>
-__device__ __forceinline__ void ring_dot(const T* w, int rows_left, const T* __restrict__ x, int m, int k, int k_lo,
-                                         int kend, char* ring, float acc[NB][4]) {
-  const int slots = (kend - k_lo + kStageK - 1) / kStageK;
-  for (int i = 0; i < slots; ++i) {
-    const int ahead = i + kStages - 1;
-    if (ahead < slots) stage_copy<T>(w, rows_left, k, k_lo + ahead * kStageK, kend, ring + (ahead % kStages) * kSlotBytes);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();  // slot i has landed (this lane's copies) ...
-    __syncwarp();                  // ... and every lane's
-    slot_dot<T, NB>(ring + (i % kStages) * kSlotBytes, x, m, k, k_lo + i * kStageK, kend, acc);
-    __syncwarp();                  // slot i is read before a later copy reuses it
-  }
-  cp_async_wait<0>();
-}
-
 // Which weight a 16-row tile of the concatenated outputs belongs to.
 template <typename T, Epilogue EPI>
 __device__ __forceinline__ int weight_of_tile(const GemvArgs<T>& a, int tile) {
@@ -227,16 +157,11 @@ constexpr int part_bytes() {  // the block's partial C tiles for the split-K red
   return (EPI == Epilogue::SiluMul ? 2 : 1) * kTileWarps * 32 * NB * 4 * (int)sizeof(float);
 }
 
-template <int NB, Epilogue EPI, bool STAGED>
-constexpr int mma_smem_bytes() {
-  return STAGED && kTileWarps * kRingBytes > part_bytes<NB, EPI>() ? kTileWarps * kRingBytes : part_bytes<NB, EPI>();
-}
-
-template <typename T, int NB, Epilogue EPI, bool STAGED>
+template <typename T, int NB, Epilogue EPI>
 __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArgs<T> a, int splits) {
   constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
   constexpr int FRAG = 32 * NB * 4;  // floats in one warp's C fragments
-  // STAGED: the warps' cp.async rings during the K loop; then (both variants) part[NACC][kTileWarps * FRAG]
+  // part[NACC][kTileWarps * FRAG]: the block's partial tiles for the split-K reduction
   extern __shared__ __align__(16) char smem[];
   float* part = reinterpret_cast<float*>(smem);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -250,31 +175,18 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
   const T* w0 = a.w[wi] + (size_t)row0 * a.k;
   const T* w1 = a.w[NACC - 1] + (size_t)row0 * a.k;  // SiluMul: the up weight
   const int rows_left = a.n[wi] - row0, k_lo = kb0 * 32, kend = min(a.k, kb1 * 32);
-  char* ring = smem + warp * kRingBytes;
 
   pdl_launch_dependents();
   if (tile < total_tiles) {  // weights only (never written by a kernel of the step): start on them, then wait
-    if constexpr (STAGED) {
-      ring_prologue<T>(w0, rows_left, a.k, k_lo, kend, ring);
-    } else {
-      const int r = min(16, rows_left), c1 = prefetch_end(k_lo, kend, a.prefetch_cols);
-      prefetch_rows_l2(w0, r, a.k, k_lo, c1);
-      if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(w1, r, a.k, k_lo, c1);
-    }
+    const int r = min(16, rows_left), c1 = prefetch_end(k_lo, kend, a.prefetch_cols);
+    prefetch_rows_l2(w0, r, a.k, k_lo, c1);
+    if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(w1, r, a.k, k_lo, c1);
   }
   pdl_wait();
   float acc[NACC][NB][4] = {};
   if (tile < total_tiles) {
-    if constexpr (STAGED) {
-      ring_dot<T, NB>(w0, rows_left, a.x, a.m, a.k, k_lo, kend, ring, acc[0]);
-      if constexpr (EPI == Epilogue::SiluMul) {
-        ring_prologue<T>(w1, rows_left, a.k, k_lo, kend, ring);
-        ring_dot<T, NB>(w1, rows_left, a.x, a.m, a.k, k_lo, kend, ring, acc[NACC - 1]);
-      }
-    } else {
-      tile_dot<T, NB>(w0, rows_left, a.x, a.m, a.k, kb0, kb1, acc[0]);
-      if constexpr (EPI == Epilogue::SiluMul) tile_dot<T, NB>(w1, rows_left, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
-    }
+    tile_dot<T, NB>(w0, rows_left, a.x, a.m, a.k, kb0, kb1, acc[0]);
+    if constexpr (EPI == Epilogue::SiluMul) tile_dot<T, NB>(w1, rows_left, a.x, a.m, a.k, kb0, kb1, acc[NACC - 1]);
   }
   if (splits == 1) {  // the whole K in this block: write from registers
     if (tile >= total_tiles) return;
@@ -288,7 +200,6 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
       }
     return;
   }
-  if constexpr (STAGED) __syncthreads();  // every warp is done with its ring before `part` overwrites it
 #pragma unroll
   for (int c = 0; c < NACC; ++c)
 #pragma unroll
@@ -431,21 +342,11 @@ int choose_splits(int groups, int kblocks) {
   return splits;
 }
 
-// SEGKI_GEMV_MMA=staged selects the cp.async-ring variant of the tensor-core kernel (default: direct loads).
-// Read on every launch, so one process can compare both (a captured graph keeps the kernel it captured).
-inline bool staged_mma() { return env_is("SEGKI_GEMV_MMA", "staged"); }
-
-template <typename T, int NB, Epilogue EPI, bool STAGED>
+template <typename T, int NB, Epilogue EPI>
 void launch_mma(const GemvArgs<T>& a, int groups, int splits, cudaStream_t stream) {
-  constexpr int smem = mma_smem_bytes<NB, EPI, STAGED>();
-  static std::atomic<uint64_t> allowed{0};  // devices on which this kernel may use `smem` (> 48 KB needs it)
-  const uint64_t bit = uint64_t{1} << (at::cuda::current_device() & 63);
-  if (!(allowed.load() & bit)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_mma_kernel<T, NB, EPI, STAGED>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    allowed.fetch_or(bit);
-  }
-  launch_pdl_smem(gemv_mma_kernel<T, NB, EPI, STAGED>, dim3(groups, splits), dim3(kTileWarps * 32), smem, stream,
+  constexpr int smem = part_bytes<NB, EPI>();
+  static_assert(smem <= 48 * 1024, "the split-K partial tiles must fit the default dynamic shared memory");
+  launch_pdl_smem(gemv_mma_kernel<T, NB, EPI>, dim3(groups, splits), dim3(kTileWarps * 32), smem, stream,
                   dim3(1, splits, 1), a, splits);
 }
 
@@ -454,12 +355,10 @@ void launch_tiles(const GemvArgs<T>& a, int tiles) {
   const int groups = (tiles + kTileWarps - 1) / kTileWarps;
   const int splits = choose_splits(groups, (a.k + 31) / 32);
   auto stream = at::cuda::getCurrentCUDAStream();
-  const bool staged = staged_mma();
-#define SEGKI_GEMV_CASE(NB)                                                                               \
-  if (a.m <= NB * 8) {                                                                                   \
-    if (staged) launch_mma<T, NB, EPI, true>(a, groups, splits, stream);                                 \
-    else launch_mma<T, NB, EPI, false>(a, groups, splits, stream);                                       \
-    return;                                                                                              \
+#define SEGKI_GEMV_CASE(NB)                                  \
+  if (a.m <= NB * 8) {                                      \
+    launch_mma<T, NB, EPI>(a, groups, splits, stream);      \
+    return;                                                 \
   }
   SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)
 #undef SEGKI_GEMV_CASE

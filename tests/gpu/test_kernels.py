@@ -64,14 +64,10 @@ def f32(*ts):
     return [t.float() if t is not None else None for t in ts]
 
 
-@pytest.mark.parametrize("mma", ["direct", "staged"])  # SEGKI_GEMV_MMA: the tensor-core kernel's two variants
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("shape", list(PROJ_SHAPES))
-def test_projection_family(shape, batch, dtype, mma, monkeypatch):
-    if mma == "staged" and batch <= 4:
-        pytest.skip("the CUDA-core path (<= 4 rows) has no such variant")
-    monkeypatch.setenv("SEGKI_GEMV_MMA", mma)
+def test_projection_family(shape, batch, dtype):
     k, ns = PROJ_SHAPES[shape]
     x = randn(batch, k, dtype=dtype)
     ws = [randn(n, k, dtype=dtype, scale=k**-0.5) for n in ns]
@@ -104,12 +100,10 @@ def test_linear_more_rows_than_one_launch(batch, dtype):
     assert_every_element(got, want, dtype)
 
 
-@pytest.mark.parametrize("mma", ["direct", "staged"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [1, 3, 7, 16, 40, 64])
-def test_linear_with_the_residual_add_in_its_epilogue(batch, dtype, mma, monkeypatch):
+def test_linear_with_the_residual_add_in_its_epilogue(batch, dtype):
     """down_proj + the decoder layer's residual add: exactly the separate add of the rounded projection."""
-    monkeypatch.setenv("SEGKI_GEMV_MMA", mma)
     x, w = randn(batch, 9216, dtype=dtype), randn(2560, 9216, dtype=dtype, scale=9216**-0.5)
     res = randn(batch, 2560, dtype=dtype)
     poison((batch, 2560), dtype=dtype)
@@ -223,7 +217,7 @@ def test_attention_prologue(shape, batch, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 64, 300])
 def test_silu_mul_beyond_the_gemv_rows(rows, dtype):
-    """Past MAX_GEMV_ROWS the MLP front is two cuBLAS products and one silu_mul launch; same roundings as
+    """Past its native row limit the MLP front is two cuBLAS products and one silu_mul launch; same roundings as
     the reference (products rounded to the dtype, SiLU and product in fp32, one rounding)."""
     from segki_lightning import ops
 
@@ -348,7 +342,7 @@ def test_every_op_replays_inside_a_cuda_graph():
 def test_dispatch_uses_native_for_eligible_decode_inputs_only():
     x = randn(2, 256, dtype=torch.bfloat16)
     w = randn(64, 256, dtype=torch.bfloat16).requires_grad_()
-    assert dispatch.eligible("linear", x, w.detach(), max_rows=dispatch.MAX_GEMV_ROWS)
+    assert dispatch.eligible("linear", x, w.detach(), max_rows=dispatch.MAX_ROWS["linear"])
     assert not dispatch.eligible("linear", x, w)  # recording autograd -> reference
     with torch.no_grad():
         assert dispatch.eligible("linear", x, w)
