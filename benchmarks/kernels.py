@@ -17,7 +17,7 @@ from common import copy_bandwidth_gbps, graph_time_us, write_results  # noqa: E4
 
 from segki_lightning import ops  # noqa: E402
 from segki_lightning.ops import reference as R  # noqa: E402
-from segki_lightning.ops.dispatch import MAX_GEMV_ROWS  # noqa: E402
+from segki_lightning.ops.dispatch import MAX_ROWS  # noqa: E402
 from segki_lightning.ops.extension import native_ops  # noqa: E402
 
 DT = torch.bfloat16
@@ -121,7 +121,7 @@ def bench_attention_prologue(model, batch, bw):
 
 
 def bench_mlp_front_beyond_gemv(model, batch, bw):
-    """Past MAX_GEMV_ROWS: two cuBLAS products + silu_mul (what dispatch runs) vs the reference composition."""
+    """Past its native row limit: two cuBLAS products + silu_mul (what dispatch runs) vs the reference composition."""
     h, inter = MODELS[model][:2]
     x = rand(batch, h)
     sets = [[rand(inter, h, scale=h**-0.5) for _ in range(2)] for _ in range(copies_for(2 * inter * h * 2))]
@@ -176,7 +176,7 @@ def main() -> None:
                 for name, (k, ns) in proj_cases(model).items():
                     rows.append(bench_projection(model, name, k, ns, batch, bw))
                     print(rows[-1], flush=True)
-                if batch > MAX_GEMV_ROWS:
+                if batch > MAX_ROWS["gated_mlp_front"]:
                     rows.append(bench_mlp_front_beyond_gemv(model, batch, bw))
             if "small" in on:
                 rows.append(bench_norm(model, batch, bw))

@@ -4,9 +4,9 @@
 #   tests   pytest tests/gpu                                     (gpu_tests.log)
 #   kernels benchmarks/kernels.py                                (kernels.json/md)
 #   ab      benchmarks/kernels.py once per kernel switch, each alone (ab/<name>/kernels.json/md):
-#           SEGKI_PDL=0 (plain launch order), SEGKI_GEMV_PREFETCH=0 / 2048 (GEMV L2 warm-up none / 2 KB
-#           per row), SEGKI_GEMV_MMA=staged (tensor-core GEMV through per-warp cp.async rings),
-#           SEGKI_ATTN=batched (decode attention with batched softmax, twice the splits)
+#           SEGKI_PDL=0 (plain launch order), SEGKI_GEMV_PREFETCH=0 / -1 (GEMV L2 warm-up none / the whole
+#           K slice; default 2 KB per row), SEGKI_ATTN=batched (decode attention with batched softmax, twice
+#           the splits)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
@@ -28,8 +28,7 @@ for stage in "${stages[@]}"; do
     kernels) python3 benchmarks/kernels.py --out "$out" > "$out/kernels.log" 2>&1; tail -45 "$out/kernels.log" | cut -c1-110 ;;
     ab)      mkdir -p "$out/ab"
              for run in "no_pdl SEGKI_PDL=0 proj small attention" "prefetch_0 SEGKI_GEMV_PREFETCH=0 proj" \
-                        "prefetch_2k SEGKI_GEMV_PREFETCH=2048 proj" "staged SEGKI_GEMV_MMA=staged proj" \
-                        "attn_batched SEGKI_ATTN=batched attention"; do
+                        "prefetch_all SEGKI_GEMV_PREFETCH=-1 proj" "attn_batched SEGKI_ATTN=batched attention"; do
                set -- $run; name=$1; setting=$2; shift 2
                env "$setting" python3 benchmarks/kernels.py --out "$out/ab/$name" --batches 1 16 32 --only "$@" \
                  > "$out/ab/$name.log" 2>&1

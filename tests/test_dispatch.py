@@ -46,11 +46,13 @@ def test_every_native_op_has_a_reference_and_a_fake():
         assert name in fakes, f"no register_fake for segki::{name}"
 
 
-def test_gemv_row_limit_comes_from_the_environment_with_a_clear_error(monkeypatch):
+def test_gemv_row_limits_per_op_or_one_from_the_environment_with_a_clear_error(monkeypatch):
+    monkeypatch.delenv("SEGKI_GEMV_MAX_ROWS", raising=False)
+    limits = dispatch._gemv_rows()
+    assert limits == dispatch.GEMV_ROWS and limits is not dispatch.GEMV_ROWS
+    assert limits["linear"] == 4 and limits["gdn_in_proj"] == 16   # a single projection loses to cuBLAS sooner
     monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "64")
-    assert dispatch._max_gemv_rows() == 64
+    assert set(dispatch._gemv_rows().values()) == {64} and dispatch._gemv_rows().keys() == limits.keys()
     monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "sixteen")
     with pytest.raises(ValueError, match="positive number of rows"):
-        dispatch._max_gemv_rows()
-    monkeypatch.delenv("SEGKI_GEMV_MAX_ROWS")
-    assert dispatch._max_gemv_rows() == 16
+        dispatch._gemv_rows()

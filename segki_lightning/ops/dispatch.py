@@ -1,7 +1,7 @@
 """One entry point per fused op: the native kernel when it is loaded and the inputs are eligible, else the
 reference. Eligible means: CUDA tensors, bf16 or fp16, contiguous, no autograd graph being recorded (native
 kernels are forward-only; training goes through the differentiable reference), and the op's own limits
-(e.g. at most ``MAX_GEMV_ROWS`` rows for the decode GEMVs). Never a crash, never a silent numerics
+(e.g. at most ``MAX_ROWS[op]`` rows for the decode GEMVs). Never a crash, never a silent numerics
 change: ineligible inputs take the reference.
 """
 from __future__ import annotations
@@ -18,18 +18,27 @@ from .extension import has_native
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _max_gemv_rows() -> int:
-    raw = os.environ.get("SEGKI_GEMV_MAX_ROWS", "16")
+# Rows up to which each decode GEMV runs natively; beyond, cuBLAS (which also reads each weight once). Measured
+# on the H200 (benchmarks/results/v5_main_2bf991c/kernels.md, native kernel vs the cuBLAS composition): the
+# fused multi-weight projections win up to 16 rows on the 0.8B shape (1.6-1.9x) and are even on the 4B shape
+# (0.92-1.16x), but lose at 32 rows on the 4B shape (0.74-0.87x); a single plain projection (o_proj, the GDN
+# out_proj, down_proj) wins on the CUDA-core path (<= 4 rows, 0.93-2.9x) and loses from 16 rows (0.56-0.79x on
+# the 4B shape, 0.9-1.04x on the 0.8B one).
+GEMV_ROWS = {"linear": 4, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj": 16}
+
+
+def _gemv_rows() -> dict[str, int]:
+    """``GEMV_ROWS``, or one limit for every op from ``SEGKI_GEMV_MAX_ROWS`` (for end-to-end comparisons)."""
+    raw = os.environ.get("SEGKI_GEMV_MAX_ROWS")
+    if raw is None:
+        return dict(GEMV_ROWS)
     if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows (default 16)")
-    return int(raw)
+        raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows (unset: per-op limits "
+                         f"{GEMV_ROWS})")
+    return dict.fromkeys(GEMV_ROWS, int(raw))
 
 
-# Rows up to which the decode GEMV family runs natively; beyond, cuBLAS (which also reads each weight once).
-# Measured on the H200 (benchmarks/results/kernels.md): at 32 rows the tensor-core path is slower than the
-# cuBLAS composition on every Qwen3.5-4B shape (0.54-0.90x), so it stays at 16. SEGKI_GEMV_MAX_ROWS moves
-# the limit (read at import) for end-to-end comparisons; the kernels take up to 64 rows per launch.
-MAX_GEMV_ROWS = _max_gemv_rows()
+MAX_ROWS = _gemv_rows()   # read at import; the kernels themselves take up to 64 rows per launch
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True,
@@ -65,14 +74,15 @@ def _native(op: str):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`."""
-    if eligible("linear", x, weight, bias, residual, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
+    if eligible("linear", x, weight, bias, residual, max_rows=MAX_ROWS["linear"], shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
     return reference.linear(x, weight, bias, residual)
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     """See :func:`reference.gated_mlp_front`."""
-    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
+    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_ROWS["gated_mlp_front"],
+                shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
     if eligible("silu_mul", x, w_gate, w_up, shape_ok=w_gate.shape[0] % 8 == 0):  # more rows: cuBLAS products
         return _native("silu_mul")(F.linear(x, w_gate), F.linear(x, w_up))
@@ -81,7 +91,7 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
     """See :func:`reference.qkv_proj`."""
-    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_GEMV_ROWS,
+    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_ROWS["qkv_proj"],
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
     return reference.qkv_proj(x, w_q, w_k, w_v, b_q, b_k, b_v)
@@ -89,7 +99,8 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Te
 
 def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """See :func:`reference.gdn_in_proj`."""
-    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_GEMV_ROWS, shape_ok=x.shape[-1] % 8 == 0):
+    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_ROWS["gdn_in_proj"],
+                shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
     return reference.gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
 
