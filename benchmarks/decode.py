@@ -112,7 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", nargs="+", default=["0.8b", "4b"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 32, 64])
     ap.add_argument("--hf-eager-batches", nargs="*", type=int, default=[1, 16])
     ap.add_argument("--hf-eager-tokens", type=int, default=128, help="new tokens for the (slow) eager baseline")
     ap.add_argument("--hf-compile-batches", nargs="*", type=int, default=[1])

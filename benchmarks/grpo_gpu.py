@@ -7,6 +7,8 @@ case, setting of the two switches and number of GPUs (DDP). Each run is
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 0.8b:16x1024:mb32 4b:8x512:mb16 [--runs segki off]
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --devices 1 2
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --overrides algo.num_iterations=2
+    python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --overrides algo.num_iterations=2 \
+        'rewards=[bench_rewards.even_token_fraction]' algo.reward_weights=null algo.learning_rate=1e-5
 
 A case is ``SHAPE:PROMPTSxTOKENS[:mbROWS][:ckpt]``: prompts per step and rank (x8 completions), completion
 tokens, ``algo.micro_batch_size`` and ``model.gradient_checkpointing=true``. ``segki`` is
@@ -96,7 +98,9 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
         cmd.append("model.gradient_checkpointing=true")
     cmd.extend(args.overrides)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir.parent)
+    here = str(Path(__file__).resolve().parent)   # so that overrides may name bench_rewards' functions
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir.parent, env=env)
     log = " ".join(cmd) + "\n\n" + proc.stdout + proc.stderr
     (args.out / f"{run_dir.name}.log").write_text(log[-200_000:])
     return proc.returncode, time.perf_counter() - t0, proc.stderr[-1500:]
