@@ -46,13 +46,25 @@ def test_every_native_op_has_a_reference_and_a_fake():
         assert name in fakes, f"no register_fake for segki::{name}"
 
 
-def test_gemv_row_limits_per_op_or_one_from_the_environment_with_a_clear_error(monkeypatch):
+def test_gemv_row_limits_per_op_and_weight_size_or_one_from_the_environment(monkeypatch):
     monkeypatch.delenv("SEGKI_GEMV_MAX_ROWS", raising=False)
-    limits = dispatch._gemv_rows()
-    assert limits == dispatch.GEMV_ROWS and limits is not dispatch.GEMV_ROWS
-    assert limits["linear"] == 4 and limits["gdn_in_proj"] == 16   # a single projection loses to cuBLAS sooner
+    limits, from_env = dispatch._gemv_rows()
+    assert limits == dispatch.GEMV_ROWS and limits is not dispatch.GEMV_ROWS and not from_env
     monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "64")
-    assert set(dispatch._gemv_rows().values()) == {64} and dispatch._gemv_rows().keys() == limits.keys()
+    limits, from_env = dispatch._gemv_rows()
+    assert set(limits.values()) == {64} and limits.keys() == dispatch.GEMV_ROWS.keys() and from_env
     monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "sixteen")
     with pytest.raises(ValueError, match="positive number of rows"):
         dispatch._gemv_rows()
+
+
+def test_a_large_single_projection_leaves_the_native_path_after_the_cuda_core_rows(monkeypatch):
+    """4B-shaped o_proj / down_proj weights (>= 16 MiB) go to cuBLAS past 4 rows, 0.8B-shaped ones at 16 rows;
+    an explicit SEGKI_GEMV_MAX_ROWS applies to every size (meta tensors: no memory is allocated)."""
+    small = torch.empty(1024, 3584, dtype=torch.bfloat16, device="meta")     # 0.8B down_proj, 7 MiB
+    large = torch.empty(2560, 9216, dtype=torch.bfloat16, device="meta")     # 4B down_proj, 45 MiB
+    monkeypatch.setattr(dispatch, "ROWS_FROM_ENV", False)
+    assert dispatch.linear_rows(small) == dispatch.MAX_ROWS["linear"] == 16
+    assert dispatch.linear_rows(large) == dispatch.LARGE_LINEAR_ROWS == 4
+    monkeypatch.setattr(dispatch, "ROWS_FROM_ENV", True)
+    assert dispatch.linear_rows(large) == dispatch.MAX_ROWS["linear"]

@@ -21,24 +21,38 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 # Rows up to which each decode GEMV runs natively; beyond, cuBLAS (which also reads each weight once). Measured
 # on the H200 (benchmarks/results/v5_main_2bf991c/kernels.md, native kernel vs the cuBLAS composition): the
 # fused multi-weight projections win up to 16 rows on the 0.8B shape (1.6-1.9x) and are even on the 4B shape
-# (0.92-1.16x), but lose at 32 rows on the 4B shape (0.74-0.87x); a single plain projection (o_proj, the GDN
-# out_proj, down_proj) wins on the CUDA-core path (<= 4 rows, 0.93-2.9x) and loses from 16 rows (0.56-0.79x on
-# the 4B shape, 0.9-1.04x on the 0.8B one).
-GEMV_ROWS = {"linear": 4, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj": 16}
+# (0.92-1.16x), but lose at 32 rows on the 4B shape (0.74-0.87x).
+GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj": 16}
+# A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after the
+# CUDA-core rows: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to
+# 16 rows, and decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there. Small weights stay native: on the
+# 0.8B shape (4-7 MB) cuBLAS is as fast in isolation, but decode loses 4-5 % at b=8-16 with it (a cuBLAS
+# launch breaks the chain of programmatic dependent launches that the native kernels keep).
+# (benchmarks/results/decode_limits/)
+LARGE_LINEAR_BYTES = 16 * 2**20
+LARGE_LINEAR_ROWS = 4
 
 
-def _gemv_rows() -> dict[str, int]:
-    """``GEMV_ROWS``, or one limit for every op from ``SEGKI_GEMV_MAX_ROWS`` (for end-to-end comparisons)."""
+def _gemv_rows() -> tuple[dict[str, int], bool]:
+    """The native row limits, and whether ``SEGKI_GEMV_MAX_ROWS`` set them: one limit for every op and every
+    weight size (for end-to-end comparisons)."""
     raw = os.environ.get("SEGKI_GEMV_MAX_ROWS")
     if raw is None:
-        return dict(GEMV_ROWS)
+        return dict(GEMV_ROWS), False
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows (unset: per-op limits "
                          f"{GEMV_ROWS})")
-    return dict.fromkeys(GEMV_ROWS, int(raw))
+    return dict.fromkeys(GEMV_ROWS, int(raw)), True
 
 
-MAX_ROWS = _gemv_rows()   # read at import; the kernels themselves take up to 64 rows per launch
+MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselves take up to 64 rows per launch
+
+
+def linear_rows(weight: Tensor) -> int:
+    """Rows up to which :func:`linear` with this weight runs natively."""
+    if ROWS_FROM_ENV or weight.numel() * weight.element_size() < LARGE_LINEAR_BYTES:
+        return MAX_ROWS["linear"]
+    return min(MAX_ROWS["linear"], LARGE_LINEAR_ROWS)
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True,
@@ -74,7 +88,7 @@ def _native(op: str):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`."""
-    if eligible("linear", x, weight, bias, residual, max_rows=MAX_ROWS["linear"], shape_ok=x.shape[-1] % 8 == 0):
+    if eligible("linear", x, weight, bias, residual, max_rows=linear_rows(weight), shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
     return reference.linear(x, weight, bias, residual)
 
