@@ -6,6 +6,7 @@ case, setting of the two switches and number of GPUs (DDP). Each run is
 
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 0.8b:16x1024:mb32 4b:8x512:mb16 [--runs segki off]
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --devices 1 2
+    python benchmarks/grpo_gpu.py --out DIR --cases 4b:8x512:mb32:ckpt --runs segki --devices 2 --strategy fsdp
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --overrides algo.num_iterations=2
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --overrides algo.num_iterations=2 \
         'rewards=[bench_rewards.even_token_fraction]' algo.reward_weights=null algo.learning_rate=1e-5
@@ -86,7 +87,7 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
     on = SWITCHES[mode]
     cmd = [sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo", "model=pretrained",
            f"model.pretrained={ckpt}", "trainer=gpu", f"trainer.devices={devices}",
-           f"trainer.strategy={'ddp' if devices > 1 else 'auto'}", f"trainer.max_steps={args.steps[mode]}",
+           f"trainer.strategy={args.strategy if devices > 1 or args.strategy == 'fsdp' else 'auto'}", f"trainer.max_steps={args.steps[mode]}",
            "trainer.enable_progress_bar=false", "algo.num_generations=8", f"algo.max_completion_length={case.tokens}",
            "algo.learning_rate=1e-6", f"task.prompts_per_step={case.prompts}",
            f"rollout.max_batch_size={8 * case.prompts}", f"rollout.max_seq_len={case.tokens + PROMPT_TOKENS + 60}",
@@ -144,6 +145,7 @@ def main() -> None:
     ap.add_argument("--cases", nargs="+", type=Case.parse, default=[Case.parse("0.8b:4x256")])
     ap.add_argument("--runs", nargs="+", choices=list(SWITCHES), default=["segki", "off"])
     ap.add_argument("--devices", nargs="+", type=int, default=[1])
+    ap.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp", help="for several devices (fsdp: also for one)")
     ap.add_argument("--segki-steps", type=int, default=10)
     ap.add_argument("--off-steps", type=int, default=4)
     ap.add_argument("--warm", type=int, default=2)
@@ -162,7 +164,7 @@ def main() -> None:
                 params[case.shape] = write_checkpoint(case.shape, ckpt)
             for devices in args.devices:
                 for mode in args.runs:
-                    name = f"{mode}_{devices}gpu_{case.name}"
+                    name = f"{mode}_{devices}gpu" + ("_fsdp" if args.strategy == "fsdp" else "") + f"_{case.name}"
                     run_dir = Path(tmp) / name
                     rc, wall, err = run_recipe(ckpt, run_dir, case, mode, devices, args)
                     r = dict(run=name, case=case.name, mode=mode, devices=devices, rows_per_rank=8 * case.prompts,

@@ -27,6 +27,7 @@ class RolloutConf:
     graph_capture: bool = True
     max_batch_size: int = 64
     max_seq_len: int = 64
+    keep_gathered: bool = True   # trainer.strategy=fsdp: keep the gathered full weights between rollouts
 
 
 @dataclass
@@ -44,7 +45,7 @@ class TaskConf:
 class TrainerConf:
     accelerator: str = "cpu"
     devices: Any = 1
-    strategy: str = "auto"
+    strategy: str = "auto"          # auto | ddp | fsdp (FSDP2 through ModelParallelStrategy) | any Lightning name
     precision: str = "32-true"
     max_steps: int = 200
     log_every_n_steps: int = 1

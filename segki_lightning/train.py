@@ -174,6 +174,7 @@ def run(cfg) -> dict:
     callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kw["logger"] = build_loggers(cfg)
+    use_strategy(trainer_kw)
     if trainer_kw["enable_progress_bar"]:
         callbacks.append(StepProgressBar())
     trainer = pl.Trainer(**trainer_kw, callbacks=callbacks)
@@ -184,14 +185,51 @@ def run(cfg) -> dict:
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
+def use_strategy(trainer_kw: dict) -> None:
+    """``trainer.strategy=fsdp``: FSDP2 through Lightning's ``ModelParallelStrategy`` over all devices. Its shards
+    are fp32 (the master weights) and the layers compute in the policy's dtype, so a ``bf16-true``/``16-true``
+    precision becomes ``32-true`` (the policy, loaded in bf16, still computes in bf16)."""
+    if trainer_kw.get("strategy") != "fsdp":
+        return
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    devices = trainer_kw.get("devices", 1)
+    n = len(devices) if isinstance(devices, (list, tuple)) else int(devices)
+    if n < 1:
+        raise ValueError(f"trainer.strategy=fsdp needs trainer.devices >= 1 (a number or a list), got {devices!r}")
+    trainer_kw["strategy"] = ModelParallelStrategy(data_parallel_size=n * trainer_kw.get("num_nodes", 1),
+                                                   tensor_parallel_size=1)
+    if trainer_kw.get("precision") in ("bf16-true", "16-true"):
+        log.info("segki: FSDP keeps fp32 shards as the master weights and computes in the policy's dtype: "
+                 "precision %s -> 32-true", trainer_kw["precision"])
+        trainer_kw["precision"] = "32-true"
+
+
 def export(module, path: str) -> None:
     """Write the trained policy (and tokenizer) with ``save_pretrained``; it reloads with
-    ``AutoModelForCausalLM.from_pretrained``."""
+    ``AutoModelForCausalLM.from_pretrained``. A sharded (FSDP) policy is gathered first (a collective: every
+    rank calls this) and written by rank zero, in the dtype it computes in."""
     from .inject import remove_segment_ki
+    from .lightning.fsdp import is_sharded
 
     remove_segment_ki(module.policy)
-    module.policy.save_pretrained(path)
-    module.tokenizer.save_pretrained(path)
+    if is_sharded(module.policy):
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        dtype = getattr(module, "compute_dtype", None)
+        full = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        first: dict[int, str] = {}
+        for name, p in module.policy.named_parameters(remove_duplicate=False):   # tied weights: written once
+            if first.setdefault(id(p), name) != name:
+                full.pop(name, None)
+        if dist.get_rank() == 0:
+            module.policy.save_pretrained(path, state_dict={k: v.to(dtype or v.dtype) for k, v in full.items()})
+            module.tokenizer.save_pretrained(path)
+        dist.barrier()
+    elif module.global_rank == 0:   # DDP: every rank holds the same weights; one writes them
+        module.policy.save_pretrained(path)
+        module.tokenizer.save_pretrained(path)
     log.info("segki: exported the policy to %s", path)
 
 

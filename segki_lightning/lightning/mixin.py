@@ -1,6 +1,7 @@
 """SegKIRolloutMixin: ``self.rollout(prompts, sampling)`` for any LightningModule with a policy model."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -36,8 +37,9 @@ class SegKIRolloutMixin:
         ``{"role", "content"}`` messages, rendered with the chat template) or a list of token ids."""
         ids = [self._prompt_ids(p) for p in prompts]
         engine = self._rollout_engine()
-        batch = engine.generate(ids, sampling)  # generate() switches to eval/no-grad and back
         cb = self.__dict__.get("_segki_callback")
+        with cb.full_weights() if cb is not None else contextlib.nullcontext():   # FSDP: gathered once here
+            batch = engine.generate(ids, sampling)  # generate() switches to eval/no-grad and back
         if cb is not None:
             cb.record(batch.stats.tokens)
         return batch

@@ -25,6 +25,12 @@ from .task import check_batch, completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
 
 
+def full_norm(t: Tensor) -> Tensor:
+    """The 2-norm of ``t``; of the whole tensor when it is a shard (an FSDP DTensor gradient)."""
+    norm = torch.linalg.vector_norm(t.float())
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 @dataclass
 class Scored:
     """One scored rollout: rows prompt-major, ``n`` completions per prompt."""
@@ -110,6 +116,22 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         stats[f"is_{kind}_frac"] = stats.pop("is_outside_frac")
         return (weights if c.importance_sampling_correction else None), {f"rollout/{k}": v for k, v in stats.items()}
 
+    def configure_model(self) -> None:
+        """Under Lightning's ``ModelParallelStrategy`` (``trainer.strategy=fsdp``): shard the policy and the other
+        trainable modules with FSDP2 (fp32 shards, computing in the policy's dtype; see
+        :mod:`segki_lightning.lightning.fsdp`). Nothing under any other strategy."""
+        from ..lightning.fsdp import is_model_parallel, is_sharded, shard_policy
+
+        if self._trainer is None or not is_model_parallel(self.trainer.strategy) or is_sharded(self.policy):
+            return
+        if self.trainer.precision not in ("32-true", "32"):
+            raise ValueError(f"under FSDP (ModelParallelStrategy) use precision='32-true', not "
+                             f"{self.trainer.precision!r}: the fp32 shards are the master weights and the layers "
+                             "compute in the policy's own dtype (load it in bf16 for bf16 compute)")
+        extra = tuple(m for name, m in self.named_children() if name != "policy"
+                      and any(p.requires_grad for p in m.parameters()))
+        self.compute_dtype = shard_policy(self.policy, self.device_mesh["data_parallel"], extra)
+
     def configure_optimizers(self):
         """AdamW (fp32 masters for half-precision weights) and the per-step ``lr_scheduler_type`` schedule."""
         c = self.cfg
@@ -130,7 +152,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         ``learning_rate``)."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+            norm = torch.linalg.vector_norm(torch.stack([full_norm(g) for g in grads]))
             self.log("train/grad_norm", norm, sync_dist=True)
         self.log("train/learning_rate", float(optimizer.param_groups[0]["lr"]))
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..lightning.fsdp import through_root
+
 log = logging.getLogger("segki_lightning")
 CHUNK_BYTES = 1 << 30      # fp32 logits of one chunk: ~1 GiB (about 1080 tokens of a 248k vocabulary)
 _PLAIN_HEAD = "_segki_plain_head"
@@ -138,12 +140,16 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
     sel = completion_mask.bool()                                               # [N, T]
     if not _plain_head(model, ids[:1, -8:]):
         return _plain_scores(model, ids, mask, positions, p, completion_ids, sel, t, value_head)
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                              use_cache=False).last_hidden_state[:, p - 1:-1]  # [N, T, H]
-    logp_m, ent_m = token_logprobs(hidden[sel], model.get_output_embeddings(), completion_ids[sel], t, chunk)
-    zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)
-    values = _values(value_head, hidden)
-    return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
+
+    def chunked() -> TokenScores:
+        hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                  use_cache=False).last_hidden_state[:, p - 1:-1]  # [N, T, H]
+        logp_m, ent_m = token_logprobs(hidden[sel], model.get_output_embeddings(), completion_ids[sel], t, chunk)
+        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)
+        values = _values(value_head, hidden)
+        return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
+
+    return TokenScores(*through_root(model, lambda: tuple(chunked())))
 
 
 def _values(value_head: nn.Module | None, hidden: Tensor) -> Tensor | None:
@@ -180,7 +186,7 @@ def _plain_head(model: nn.Module, ids: Tensor) -> bool:
         model.eval()
         try:
             want = model(input_ids=ids, use_cache=False).logits.float()
-            got = head(base(input_ids=ids, use_cache=False).last_hidden_state).float()
+            got = through_root(model, lambda: head(base(input_ids=ids, use_cache=False).last_hidden_state)).float()
         finally:
             model.train(was_training)
         ok = bool(((got - want).norm() <= 1e-3 * want.norm()).item())

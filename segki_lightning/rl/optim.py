@@ -112,8 +112,8 @@ def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, ma
     parameter is bf16/fp16."""
     params = [p for p in params if p.requires_grad]
     kw: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay)
-    if params and all(p.is_cuda for p in params):
-        kw["fused"] = True
+    if params and all(p.is_cuda for p in params) and not any(hasattr(p, "full_tensor") for p in params):
+        kw["fused"] = True   # (FSDP's DTensor shards take the default foreach implementation)
     if master_weights and any(p.dtype in HALF for p in params):
         return MasterWeightOptimizer(params, torch.optim.AdamW, **kw)
     return torch.optim.AdamW(params, **kw)

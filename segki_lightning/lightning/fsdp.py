@@ -1,0 +1,175 @@
+"""Sharded training (FSDP2, through Lightning's ``ModelParallelStrategy``) with rollouts on gathered weights.
+
+Training: every decoder layer of the policy, then the policy itself, is ``fully_shard``-ed over the
+data-parallel mesh, so parameters, gradients and optimizer state are split across ranks. The shards are fp32 --
+they are the master weights -- and the layers compute in the dtype the policy came in (bf16 on GPU, through
+FSDP's ``MixedPrecisionPolicy``), so no :class:`~segki_lightning.rl.MasterWeightOptimizer` is needed.
+
+Rollouts: before each rollout :class:`GatheredWeights` gathers the full parameters once, in the compute dtype,
+into buffers that are swapped into the modules for the rollout while FSDP's forward hooks are set aside. The
+injected segments and the captured CUDA graphs read those buffers; they are refilled in place for the next
+rollout, so the graphs stay valid across steps. Afterwards the shards and the hooks are put back. The buffers are
+the only full copy of the weights; ``keep=False`` frees them after each rollout (the graphs are then captured
+again on the next one).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+HALF = (torch.bfloat16, torch.float16)
+T = TypeVar("T")
+
+
+def is_model_parallel(strategy) -> bool:
+    """Whether ``strategy`` is Lightning's FSDP2 strategy (``ModelParallelStrategy``)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: instances of transformers' ``_no_split_modules`` classes."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def shard_policy(policy: nn.Module, mesh, extra: tuple[nn.Module, ...] = ()) -> torch.dtype:
+    """``fully_shard`` each decoder layer, then the policy, over ``mesh``; the shards become fp32 and the layers
+    compute in the policy's current dtype. ``extra`` trainable modules (a value head) are sharded alongside, so
+    their gradients are reduced too. Returns the compute dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    compute = next(policy.parameters()).dtype
+    mp = MixedPrecisionPolicy(param_dtype=compute if compute in HALF else None, reduce_dtype=torch.float32)
+    policy.float()
+    for layer in decoder_layers(policy):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp)
+    for module in extra:
+        fully_shard(module.float(), mesh=mesh, mp_policy=mp)
+    return compute
+
+
+def through_root(model: nn.Module, fn: Callable[[], T]) -> T:
+    """``fn()``, run as ``model``'s forward when ``model`` is an FSDP2 root: code that reads the root group's own
+    weights (the embeddings, the output head) outside ``model(...)`` -- chunked log-probs, the plain-head probe
+    -- then sees them gathered, and FSDP's backward hooks cover it. Plainly ``fn()`` for any other model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return fn()
+    own = model.__dict__.get("forward")
+    model.forward = lambda: fn()
+    try:
+        return model()
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
+class GatheredWeights:
+    """Full copies of a sharded module's parameters for rollouts (see the module docstring).
+
+    Args:
+        module: the ``fully_shard``-ed policy, in its resharded state (outside a forward).
+        dtype: the dtype of the copies (the compute dtype).
+        keep: keep the copies between rollouts (graphs stay valid) or free them after each.
+    """
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, keep: bool = True):
+        from torch.distributed.tensor import DTensor
+
+        self.module, self.dtype, self.keep = module, dtype, keep
+        _reshard(module)
+        self.slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+                      if isinstance(p, DTensor)]
+        self.full: dict[int, nn.Parameter] = {}   # id(shard) -> its full copy (tied weights share one)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """All-gather every parameter into its full copy, in place (a collective: every rank calls it)."""
+        done: set[int] = set()
+        for _, _, shard in self.slots:
+            if id(shard) in done:   # a tied weight: one copy
+                continue
+            done.add(id(shard))
+            full = shard.full_tensor()
+            held = self.full.get(id(shard))
+            if held is None:
+                held = self.full[id(shard)] = nn.Parameter(torch.empty(full.shape, dtype=self.dtype,
+                                                                       device=full.device), requires_grad=False)
+            held.copy_(full)
+            del full
+
+    def free(self) -> None:
+        self.full.clear()
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The full copies in place of the shards, FSDP's forward hooks set aside; both restored on exit."""
+        _reshard(self.module)   # an FSDP root stays unsharded after a forward without backward
+        hooks = _fsdp_hooks(self.module)
+        for m, pre, post in hooks:
+            m._forward_pre_hooks.pop(pre[0])
+            m._forward_hooks.pop(post[0])
+        for m, name, shard in self.slots:
+            m._parameters[name] = self.full[id(shard)]
+        try:
+            yield
+        finally:
+            for m, name, shard in self.slots:
+                m._parameters[name] = shard
+            for m, pre, post in hooks:
+                m._forward_pre_hooks[pre[0]] = pre[1]
+                m._forward_pre_hooks.move_to_end(pre[0], last=False)   # FSDP's pre-hook runs first
+                m._forward_hooks[post[0]] = post[1]
+
+    @contextlib.contextmanager
+    def for_rollout(self) -> Iterator[None]:
+        """Gather, swap in, and (``keep=False``) free the copies afterwards."""
+        self.gather()
+        try:
+            with self.swapped():
+                yield
+        finally:
+            if not self.keep:
+                self.free()
+
+
+def _reshard(module: nn.Module) -> None:
+    """Every FSDP unit of ``module`` back to its shards (its modules then hold the sharded parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def _fsdp_hooks(module: nn.Module) -> list[tuple[nn.Module, tuple, tuple]]:
+    """``(module, (pre_id, pre_hook), (post_id, post_hook))`` of every module that ``fully_shard`` gave hooks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for m in module.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        pre_id, post_id = state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id
+        if pre_id not in m._forward_pre_hooks or post_id not in m._forward_hooks:
+            raise RuntimeError("the installed torch registers FSDP's forward hooks differently from what segki "
+                               "expects; rollouts under FSDP need torch >= 2.6")
+        out.append((m, (pre_id, m._forward_pre_hooks[pre_id]), (post_id, m._forward_hooks[post_id])))
+    return out
