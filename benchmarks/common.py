@@ -18,6 +18,11 @@ SHAPES = {
     "4b": dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=32, num_attention_heads=16,
                num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=True),
+    # 9B-class: 8.95 B parameters; with fp32 masters and AdamW (~16 bytes each) its training state does not fit
+    # one H200, so DDP runs out of memory where FSDP over two GPUs fits
+    "9b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+               num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+               linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, tie_word_embeddings=False),
 }
 
 

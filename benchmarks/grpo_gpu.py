@@ -131,7 +131,9 @@ def summarize(run_dir: Path, warm: int, params: int) -> dict:
                logprob_diff_mean=round(med("rollout/logprob_diff_mean"), 4),
                logprob_diff_max=round(max(float(r.get("rollout/logprob_diff_max") or 0) for r in rows), 3),
                kl_sampler_trainer=round(med("rollout/kl_sampler_trainer"), 5),
-               first_step_s=round(float(rows[0]["time/step_s"]), 2))
+               first_step_s=round(float(rows[0]["time/step_s"]), 2),
+               loss_curve=[float(r.get("train/loss") or "nan") for r in rows],       # every step, for comparing
+               reward_curve=[float(r.get("train/reward") or "nan") for r in rows])   # strategies step by step
     check = list(run_dir.rglob("rank_consistency.json"))
     if check:
         c = json.loads(check[0].read_text())
