@@ -230,7 +230,8 @@ def export(module, path: str) -> None:
     elif module.global_rank == 0:   # DDP: every rank holds the same weights; one writes them
         module.policy.save_pretrained(path)
         module.tokenizer.save_pretrained(path)
-    log.info("segki: exported the policy to %s", path)
+    if module.global_rank == 0:
+        log.info("segki: exported the policy to %s", path)
 
 
 def main() -> None:
@@ -243,8 +244,11 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="grpo")
     def _entry(cfg) -> None:
+        from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
         metrics = run(cfg)
-        log.info("segki: final metrics %s", metrics)
+        if rank_zero_only.rank == 0:   # once, not once per rank
+            log.info("segki: final metrics %s", metrics)
 
     _entry()
 
