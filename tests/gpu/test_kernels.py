@@ -348,3 +348,42 @@ def test_dispatch_uses_native_for_eligible_decode_inputs_only():
         assert dispatch.eligible("linear", x, w)
     assert not dispatch.eligible("linear", x.float(), w.float().detach())  # fp32 -> reference
     assert dispatch.backend("linear", torch.bfloat16, "cuda") == "native"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+@pytest.mark.parametrize("rows,h,inter", [(1, 1024, 3584), (3, 2560, 9216), (4, 264, 520), (2, 4096, 12288)])
+def test_residual_add_and_norm_folded_into_the_mlp_front(rows, h, inter, unit_offset, dtype):
+    """Bit-equal to add_rms_norm then gated_mlp_front: the same statistics in the same reduction order, the same
+    roundings, the same GEMV. More rows than the CUDA-core path is a clear error."""
+    op = torch.ops.segki.add_rms_norm_gated_mlp_front
+    x, res, w = randn(rows, h, dtype=dtype), randn(rows, h, dtype=dtype), randn(h, dtype=dtype, scale=0.3)
+    wg, wu = (randn(inter, h, dtype=dtype, scale=h**-0.5) for _ in range(2))
+    poison((rows, inter), (rows, h), dtype=dtype)
+    front, new_res = op(x, res, w, 1e-6, unit_offset, wg, wu)
+    normed, want_res = torch.ops.segki.add_rms_norm(x, res, w, 1e-6, unit_offset)
+    assert torch.equal(new_res, want_res)
+    assert torch.equal(front, torch.ops.segki.gated_mlp_front(normed, wg, wu))
+    assert rel_err(front, R.add_rms_norm_gated_mlp_front(*f32(x, res, w), 1e-6, unit_offset, *f32(wg, wu))[0]) \
+        < TOL[dtype]
+    with pytest.raises(RuntimeError, match="at most 4 rows"):
+        op(randn(5, h, dtype=dtype), randn(5, h, dtype=dtype), w, 1e-6, unit_offset, wg, wu)
+
+
+def test_folded_norm_decodes_the_same_tokens(tmp_path, monkeypatch):
+    """SEGKI_FOLD_NORM's path through a whole model: the same greedy tokens and log-probs, bit for bit, in a
+    captured graph; past 4 rows the dispatch composes the two ops."""
+    from segki_lightning import RolloutEngine, SamplingConfig
+
+    from .test_rollout_gpu import cuda_model, prompts
+
+    model = cuda_model(tmp_path, seed=int(torch.randint(0, 2**31, ()).item()))
+    greedy = SamplingConfig(max_new_tokens=16, temperature=0.0)
+    runs = {}
+    for fold in (False, True):
+        monkeypatch.setattr(dispatch, "FOLD_NORM", fold)
+        engine = RolloutEngine(model, max_batch_size=8, max_seq_len=64, graph_capture=True, eos_token_id=[])
+        runs[fold] = [engine.generate(prompts(lengths, seed=3), greedy) for lengths in ([7, 12, 3], [5] * 6)]
+        engine.free()
+    for off, on in zip(runs[False], runs[True]):
+        assert torch.equal(off.completion_ids, on.completion_ids) and torch.equal(off.logprobs, on.logprobs)
