@@ -79,6 +79,20 @@ def test_fsdp_with_validation_checkpointing_micro_batches_reuse_a_reference_and_
     assert json.loads((run / "logs" / "rank_consistency.json").read_text())["identical"]
 
 
+def test_fsdp_with_a_bf16_policy_keeps_fp32_shards_and_exports_bf16(tmp_path):
+    """A bf16 policy with bf16-true: the run switches to 32-true (and says so), the shards train in fp32 while the
+    layers and the rollout compute in bf16, and the export is in bf16 (FSDP's mixed precision, on CPU too)."""
+    run = recipe(tmp_path / "bf16", "trainer.strategy=fsdp", "model.dtype=bfloat16", "trainer.precision=bf16-true",
+                 f"export_dir={tmp_path / 'bf16' / 'export'}")
+    assert "precision bf16-true -> 32-true" in (run / "train.log").read_text()
+    assert {t.dtype for t in exported(run).values()} == {torch.bfloat16}
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(run / "checkpoints" / "last.ckpt", tmp_path / "full.pt")   # the sharded checkpoint, whole
+    saved = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
+    assert {v.dtype for k, v in saved.items() if k.startswith("policy.")} == {torch.float32}   # the masters
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     import torch.distributed as dist
