@@ -210,28 +210,19 @@ def export(module, path: str) -> None:
     ``AutoModelForCausalLM.from_pretrained``. A sharded (FSDP) policy is gathered first (a collective: every
     rank calls this) and written by rank zero, in the dtype it computes in."""
     from .inject import remove_segment_ki
-    from .lightning.fsdp import is_sharded
+    from .lightning.fsdp import full_state_dict, is_sharded
 
     remove_segment_ki(module.policy)
-    if is_sharded(module.policy):
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        dtype = getattr(module, "compute_dtype", None)
-        full = get_model_state_dict(module.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        first: dict[int, str] = {}
-        for name, p in module.policy.named_parameters(remove_duplicate=False):   # tied weights: written once
-            if first.setdefault(id(p), name) != name:
-                full.pop(name, None)
-        if dist.get_rank() == 0:
-            module.policy.save_pretrained(path, state_dict={k: v.to(dtype or v.dtype) for k, v in full.items()})
-            module.tokenizer.save_pretrained(path)
-        dist.barrier()
-    elif module.global_rank == 0:   # DDP: every rank holds the same weights; one writes them
-        module.policy.save_pretrained(path)
+    sharded = is_sharded(module.policy)
+    state = full_state_dict(module.policy, getattr(module, "compute_dtype", None)) if sharded else None
+    if module.global_rank == 0:   # every rank holds (or has just gathered) the same weights; one writes them
+        module.policy.save_pretrained(path, state_dict=state)
         module.tokenizer.save_pretrained(path)
-    if module.global_rank == 0:
         log.info("segki: exported the policy to %s", path)
+    if sharded:
+        import torch.distributed as dist
+
+        dist.barrier()   # the folder is complete on every rank's return
 
 
 def main() -> None:

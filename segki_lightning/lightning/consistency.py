@@ -9,14 +9,15 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from .fsdp import whole
+
 
 def weight_checksum(module: torch.nn.Module) -> torch.Tensor:
     """An int64 checksum of the raw bits of every parameter (equal bits -> equal checksum); of the whole
     parameter where it is a shard (FSDP: a collective, every rank calls it)."""
     total = torch.zeros((), dtype=torch.int64)
     for i, p in enumerate(module.parameters()):
-        t = p.detach()
-        t = (t.full_tensor() if hasattr(t, "full_tensor") else t).contiguous().cpu()
+        t = whole(p.detach()).contiguous().cpu()
         bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         bits = bits.flatten().to(torch.int64)
         weights = torch.arange(bits.numel(), dtype=torch.int64) % 1_000_003 + i + 1

@@ -32,10 +32,33 @@ def is_model_parallel(strategy) -> bool:
     return isinstance(strategy, ModelParallelStrategy)
 
 
-def is_sharded(module: nn.Module) -> bool:
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP shard, or a value computed from shards)."""
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
+    return isinstance(t, DTensor)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a shard (a collective: every rank calls it); ``t`` itself otherwise."""
+    return t.full_tensor() if is_shard(t) else t
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return any(is_shard(p) for p in module.parameters())
+
+
+def full_state_dict(module: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The sharded ``module``'s whole state dict on the CPU (a collective), each tied weight once (under its first
+    name, as ``save_pretrained`` writes it), in ``dtype`` when given."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            full.pop(name, None)
+    return {k: v.to(dtype or v.dtype) for k, v in full.items()}
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -90,12 +113,10 @@ class GatheredWeights:
     """
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, keep: bool = True):
-        from torch.distributed.tensor import DTensor
-
         self.module, self.dtype, self.keep = module, dtype, keep
         _reshard(module)
         self.slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
-                      if isinstance(p, DTensor)]
+                      if p is not None and is_shard(p)]
         self.full: dict[int, nn.Parameter] = {}   # id(shard) -> its full copy (tied weights share one)
 
     @torch.no_grad()

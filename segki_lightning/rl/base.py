@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..lightning import SegKIRolloutMixin
+from ..lightning.fsdp import whole
 from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, SamplingConfig
 from .buffer import RolloutBuffer
@@ -23,12 +24,6 @@ from .rewards import RewardFn, WeightedReward, as_rewards, score
 from .metrics import write_completions
 from .task import check_batch, completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
-
-
-def full_norm(t: Tensor) -> Tensor:
-    """The 2-norm of ``t``; of the whole tensor when it is a shard (an FSDP DTensor gradient)."""
-    norm = torch.linalg.vector_norm(t.float())
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 @dataclass
@@ -152,7 +147,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         ``learning_rate``)."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
-            norm = torch.linalg.vector_norm(torch.stack([full_norm(g) for g in grads]))
+            norm = torch.linalg.vector_norm(torch.stack([whole(torch.linalg.vector_norm(g.float())) for g in grads]))
             self.log("train/grad_norm", norm, sync_dist=True)
         self.log("train/learning_rate", float(optimizer.param_groups[0]["lr"]))
 

@@ -17,6 +17,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ..lightning.fsdp import is_shard
+
 HALF = (torch.bfloat16, torch.float16)
 BUCKET_ELEMENTS = 1 << 28   # fp32 gradients made at once while stepping (1 GiB)
 
@@ -112,7 +114,7 @@ def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, ma
     parameter is bf16/fp16."""
     params = [p for p in params if p.requires_grad]
     kw: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay)
-    if params and all(p.is_cuda for p in params) and not any(hasattr(p, "full_tensor") for p in params):
+    if params and all(p.is_cuda for p in params) and not any(is_shard(p) for p in params):
         kw["fused"] = True   # (FSDP's DTensor shards take the default foreach implementation)
     if master_weights and any(p.dtype in HALF for p in params):
         return MasterWeightOptimizer(params, torch.optim.AdamW, **kw)
