@@ -100,11 +100,19 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
     cmd.extend(args.overrides)
     t0 = time.perf_counter()
     here = str(Path(__file__).resolve().parent)   # so that overrides may name bench_rewards' functions
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
+           "HYDRA_FULL_ERROR": "1"}   # the whole traceback in the run's log
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir.parent, env=env)
     log = " ".join(cmd) + "\n\n" + proc.stdout + proc.stderr
     (args.out / f"{run_dir.name}.log").write_text(log[-200_000:])
-    return proc.returncode, time.perf_counter() - t0, proc.stderr[-1500:]
+    return proc.returncode, time.perf_counter() - t0, proc.stderr[-20000:]
+
+
+def last_error(stderr: str) -> str:
+    """The last line of ``stderr`` that names an exception (``...Error: ...``), else its last line."""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln.split(":")[0] or ln.startswith("torch.")]
+    return (named or lines or [""])[-1][:300]
 
 
 def summarize(run_dir: Path, warm: int, params: int) -> dict:
@@ -175,7 +183,7 @@ def main() -> None:
                     if rc == 0:
                         r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape]))
                     else:
-                        r["error"] = err.strip().splitlines()[-1][:300] if err.strip() else f"exit {rc}"
+                        r["error"] = last_error(err) or f"exit {rc}"
                     rows.append(r)
                     print(json.dumps(r), flush=True)
     compare(rows)
