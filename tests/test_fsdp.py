@@ -119,7 +119,12 @@ def test_gathered_weights_swap_in_and_out_and_keep_their_storage(one_rank_group,
     shard_policy(model, init_device_mesh("cpu", (1,)))
     assert through_root(torch.nn.Linear(2, 2), lambda: 5) == 5   # not sharded: just the call
     head = model.get_output_embeddings()
+    seen = []   # FSDP's root pre-forward of some torch versions (on CUDA) indexes the inputs: never call it with none
+    probe = model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(len(args) + len(kwargs)),
+                                            with_kwargs=True)
     assert isinstance(head.weight, DTensor) and not through_root(model, lambda: isinstance(head.weight, DTensor))
+    probe.remove()
+    assert seen == [1]
     hooks = {id(m): (list(m._forward_pre_hooks), list(m._forward_hooks)) for m in model.modules()}
     gathered = GatheredWeights(model, torch.float32)
     gathered.gather()

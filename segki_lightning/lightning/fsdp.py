@@ -93,9 +93,9 @@ def through_root(model: nn.Module, fn: Callable[[], T]) -> T:
     if not isinstance(model, FSDPModule):
         return fn()
     own = model.__dict__.get("forward")
-    model.forward = lambda: fn()
+    model.forward = lambda run: run()
     try:
-        return model()
+        return model(fn)   # one argument: FSDP's root pre-forward of some torch versions indexes the inputs
     finally:
         if own is None:
             del model.forward
