@@ -93,25 +93,6 @@ def bench_norm(model, batch, bw):
                graph_time_us([lambda: R.add_rms_norm(x, res, w, 1e-6, True)]), bw)
 
 
-def bench_folded_norm(model, batch, bw):
-    """add_rms_norm folded into the MLP front (one launch, SEGKI_FOLD_NORM) vs the two native launches; torch_us is
-    the two launches here, not the reference."""
-    h, inter = MODELS[model][:2]
-    x, res, w = rand(batch, h), rand(batch, h), rand(h, scale=0.3)
-    sets = [[rand(inter, h, scale=h**-0.5) for _ in range(2)] for _ in range(copies_for(2 * inter * h * 2))]
-    moved = nbytes(x, res, w, *sets[0]) + batch * (inter + h) * 2
-    ops = torch.ops.segki
-
-    def two(ws):
-        normed, _ = ops.add_rms_norm(x, res, w, 1e-6, True)
-        return ops.gated_mlp_front(normed, *ws)
-
-    return row(model, "add_rms_norm + gate_up folded (vs 2 launches)", batch, moved,
-               graph_time_us([lambda ws=ws: ops.add_rms_norm_gated_mlp_front(x, res, w, 1e-6, True, *ws)
-                              for ws in sets]),
-               graph_time_us([lambda ws=ws: two(ws) for ws in sets]), bw)
-
-
 def bench_attention(model, valid, cache, bw):
     _, _, _, (hq, hkv, d), _ = MODELS[model]
     q = rand(1, hq, d)
@@ -199,8 +180,6 @@ def main() -> None:
                     rows.append(bench_mlp_front_beyond_gemv(model, batch, bw))
             if "small" in on:
                 rows.append(bench_norm(model, batch, bw))
-                if batch <= 4:
-                    rows.append(bench_folded_norm(model, batch, bw))
                 rows.append(bench_attention_prologue(model, batch, bw))
                 rows.append(bench_gdn(model, batch, bw))
                 for t in (0.0, 1.0):

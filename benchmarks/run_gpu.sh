@@ -13,7 +13,6 @@
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
-#   fold    SEGKI_FOLD_NORM A/B: kernels.py small rows at b=1/4, decode.py 0.8B/4B at b=1/4 with and without (fold/)
 #   fsdp4b  benchmarks/grpo_gpu.py, 4B shape on 2 GPUs, DDP then FSDP, 10 steps each (grpo_fsdp4b/: the JSON has
 #           both loss curves)
 #   fsdp9b  benchmarks/grpo_gpu.py, 9B shape on 2 GPUs, FSDP then DDP (expected: out of memory) (grpo_fsdp9b/)
@@ -48,13 +47,6 @@ for stage in "${stages[@]}"; do
                --overrides algo.num_iterations=2 > "$out/reuse.log" 2>&1; tail -6 "$out/reuse.log" ;;
     ddp)     python3 benchmarks/grpo_gpu.py --out "$out/grpo_ddp" --cases 0.8b:4x256 --runs segki --devices 1 2 \
                > "$out/ddp.log" 2>&1; tail -6 "$out/ddp.log" ;;
-    fold)    python3 benchmarks/kernels.py --out "$out/fold/kernels" --only small --batches 1 4 > "$out/fold_kernels.log" 2>&1
-             grep -E "folded" "$out/fold/kernels/kernels.md" | cut -c1-110
-             for f in 0 1; do
-               SEGKI_FOLD_NORM=$f python3 benchmarks/decode.py --out "$out/fold/decode_$f" --models 0.8b 4b --batches 1 4 \
-                 --no-graph-only --hf-eager-batches --hf-compile-batches > "$out/fold_decode_$f.log" 2>&1
-               echo "-- SEGKI_FOLD_NORM=$f"; grep -E "segki \+ graph" "$out/fold/decode_$f/decode.md" | cut -c1-80
-             done ;;
     fsdp4b)  for st in ddp fsdp; do
                python3 benchmarks/grpo_gpu.py --out "$out/grpo_fsdp4b_$st" --cases 4b:4x512:mb32:ckpt --runs segki \
                  --devices 2 --strategy $st --warm 1 --overrides algo.lr_scheduler_type=constant \

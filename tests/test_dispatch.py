@@ -68,17 +68,3 @@ def test_a_large_single_projection_leaves_the_native_path_after_the_cuda_core_ro
     assert dispatch.linear_rows(large) == dispatch.LARGE_LINEAR_ROWS == 4
     monkeypatch.setattr(dispatch, "ROWS_FROM_ENV", True)
     assert dispatch.linear_rows(large) == dispatch.MAX_ROWS["linear"]
-
-
-@pytest.mark.parametrize("fold", [False, True])
-def test_folded_norm_mlp_front_is_add_rms_norm_then_the_front_and_differentiable(monkeypatch, fold):
-    """On the CPU (and wherever the native op is ineligible) the op is the two-op composition exactly, with or
-    without SEGKI_FOLD_NORM, and gradients reach every input (the training path)."""
-    monkeypatch.setattr(dispatch, "FOLD_NORM", fold)
-    x, res = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)
-    w, wg, wu = (torch.randn(*s, requires_grad=True) for s in ((16,), (24, 16), (24, 16)))
-    front, new_res = dispatch.add_rms_norm_gated_mlp_front(x, res, w, 1e-6, True, wg, wu)
-    normed, want_res = reference.add_rms_norm(x, res, w, 1e-6, True)
-    assert torch.equal(new_res, want_res) and torch.equal(front, reference.gated_mlp_front(normed, wg, wu))
-    (front.sum() + new_res.sum()).backward()
-    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (x, res, w, wg, wu))

@@ -6,8 +6,6 @@
 TORCH_LIBRARY(segki, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? residual=None) -> Tensor");
   m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor");
-  m.def("add_rms_norm_gated_mlp_front(Tensor x, Tensor residual, Tensor norm_w, float eps, bool unit_offset,"
-        " Tensor w_gate, Tensor w_up) -> (Tensor, Tensor)");
   m.def("qkv_proj(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v)"
         " -> (Tensor, Tensor, Tensor)");
   m.def("gdn_in_proj(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a)"

@@ -28,17 +28,6 @@ constexpr int kMaxW = 4;
 
 enum class Epilogue { Plain, SiluMul };
 
-// The small path's optional prologue: x replaced by add_rms_norm(x, res, w) (norm.cu's math and reduction
-// order, so bit-identical to the separate launch), whose x + res block 0 also stores for later kernels.
-template <typename T>
-struct NormPrologue {
-  const T* res;      // [M, K] added to x first, or nullptr
-  const T* w;        // [K] the norm weight; nullptr: no prologue
-  T* new_res;        // [M, K] receives x + res (block 0), or nullptr
-  float eps;
-  bool unit_offset;  // (1 + w) form
-};
-
 template <typename T>
 struct GemvArgs {
   const T* x;            // [M, K]
@@ -51,7 +40,6 @@ struct GemvArgs {
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
   int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
   const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
-  NormPrologue<T> norm;       // small path only
 };
 
 // Before the PDL wait each block warms the first kPrefetchBytes of each of its weight rows' K slice into L2
@@ -249,53 +237,9 @@ struct RowStart {  // cumulative output rows per weight
   int v[kMaxW + 1];
 };
 
-// x (+ res) at k = i..i+7 of row r, rounded as a PyTorch add would (norm.cu pass 1).
-template <typename T>
-__device__ __forceinline__ void norm_input(const GemvArgs<T>& a, int r, int i, float v[8]) {
-  unpack8<T>(ld_cached(a.x + (size_t)r * a.k + i), v);
-  if (a.norm.res != nullptr) {
-    float q[8];
-    unpack8<T>(ld_cached(a.norm.res + (size_t)r * a.k + i), q);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) v[j] = round_to<T>(q[j] + v[j]);
-  }
-}
-
-// inv[r] = 1 / rms of row r's norm input for r < m, with norm.cu's loop and reduction (256 threads, 8 values per
-// thread and round, block_sum); block 0 stores x + res.
 template <typename T, int MAXM>
-__device__ __forceinline__ void norm_stats(const GemvArgs<T>& a, float* inv, float* scratch) {
-  static_assert(kWarps * 32 == 256, "the statistics must follow norm.cu's 256-thread reduction order");
-  for (int r = 0; r < a.m && r < MAXM; ++r) {  // uniform over the block
-    float ss = 0.f;
-    for (int i = threadIdx.x * 8; i < a.k; i += 256 * 8) {
-      float v[8];
-      norm_input<T>(a, r, i, v);
-      if (blockIdx.x == 0 && a.norm.new_res != nullptr)
-        *reinterpret_cast<uint4*>(a.norm.new_res + (size_t)r * a.k + i) = pack8<T>(v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
-    }
-    const float total = block_sum(ss, scratch);
-    if (threadIdx.x == 0) inv[r] = rsqrtf(total / a.k + a.norm.eps);
-  }
-  __syncthreads();
-}
-
-// The normalized input at k = kk..kk+7 of row r, rounded to T (norm.cu pass 2).
-template <typename T>
-__device__ __forceinline__ void normed_x(const GemvArgs<T>& a, int r, int kk, float inv, float xf[8]) {
-  float wf[8];
-  norm_input<T>(a, r, kk, xf);
-  unpack8<T>(ld_cached(a.norm.w + kk), wf);
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    xf[j] = round_to<T>(a.norm.unit_offset ? xf[j] * inv * (1.f + wf[j]) : wf[j] * round_to<T>(xf[j] * inv));
-}
-
-template <typename T, int MAXM, bool NORM>
-__device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const GemvArgs<T>& a, const float* inv, int k0,
-                                        int k1, float acc[MAXM]) {
+__device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const T* __restrict__ x, int m, int k,
+                                        int k0, int k1, float acc[MAXM]) {
   const int lane = threadIdx.x & 31;
   for (int kk0 = k0 + lane * 8; kk0 < k1; kk0 += 256 * kSmallUnroll) {
     uint4 wv[kSmallUnroll];
@@ -312,10 +256,9 @@ __device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const GemvAr
       unpack8<T>(wv[u], wf);
 #pragma unroll
       for (int r = 0; r < MAXM; ++r) {
-        if (r < a.m) {
+        if (r < m) {
           float xf[8];
-          if constexpr (NORM) normed_x<T>(a, r, kk, inv[r], xf);
-          else unpack8<T>(ld_cached(a.x + (size_t)r * a.k + kk), xf);
+          unpack8<T>(ld_cached(x + (size_t)r * k + kk), xf);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[r] = fmaf(wf[i], xf[i], acc[r]);
         }
@@ -326,12 +269,10 @@ __device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const GemvAr
   for (int r = 0; r < MAXM; ++r) acc[r] = warp_sum(acc[r]);
 }
 
-template <typename T, int MAXM, Epilogue EPI, bool NORM>
+template <typename T, int MAXM, Epilogue EPI>
 __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<T> a, const RowStart rs, int splits) {
   constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
   __shared__ float red[kWarps][NACC][MAXM];
-  __shared__ float inv[MAXM];       // NORM: 1 / rms per row
-  __shared__ float scratch[32];     // NORM: block_sum
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_block = kWarps / splits;
   const int item = blockIdx.x * rows_per_block + warp / splits, part = warp % splits;
@@ -351,11 +292,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
     if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)row * a.k, 1, a.k, k0, k1p);
   }
   pdl_wait();
-  if constexpr (NORM) norm_stats<T, MAXM>(a, inv, scratch);  // every thread of the block takes part
   float acc[NACC][MAXM] = {};
   if (item < total) {
-    row_dot<T, MAXM, NORM>(a.w[wi] + (size_t)row * a.k, a, inv, k0, k1, acc[0]);
-    if constexpr (EPI == Epilogue::SiluMul) row_dot<T, MAXM, NORM>(a.w[1] + (size_t)row * a.k, a, inv, k0, k1, acc[1]);
+    row_dot<T, MAXM>(a.w[wi] + (size_t)row * a.k, a.x, a.m, a.k, k0, k1, acc[0]);
+    if constexpr (EPI == Epilogue::SiluMul) row_dot<T, MAXM>(a.w[1] + (size_t)row * a.k, a.x, a.m, a.k, k0, k1, acc[1]);
   }
   if (lane == 0) {
 #pragma unroll
@@ -377,7 +317,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
 constexpr int kMaxRowsPerLaunch = 64;
 constexpr int kMaxSmallRows = 4;
 
-template <typename T, Epilogue EPI, bool NORM = false>
+template <typename T, Epilogue EPI>
 void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   auto stream = at::cuda::getCurrentCUDAStream();
   int splits = 1;
@@ -386,7 +326,7 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   const int blocks = (total_rows + rows_per_block - 1) / rows_per_block;
 #define SEGKI_SMALL_CASE(M)                                                                        \
   if (a.m <= M) {                                                                                 \
-    launch_pdl(gemv_small_kernel<T, M, EPI, NORM>, dim3(blocks), dim3(kWarps * 32), stream, dim3(1), a, rs, splits); \
+    launch_pdl(gemv_small_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), stream, dim3(1), a, rs, splits); \
     return;                                                                                       \
   }
   SEGKI_SMALL_CASE(1) SEGKI_SMALL_CASE(2) SEGKI_SMALL_CASE(4)
@@ -424,18 +364,10 @@ void launch_tiles(const GemvArgs<T>& a, int tiles) {
 #undef SEGKI_GEMV_CASE
 }
 
-// The tensors of a residual-add + RMSNorm prologue (see NormPrologue).
-struct NormTensors {
-  at::Tensor res, w, new_res;
-  double eps;
-  bool unit_offset;
-};
-
 // Validates, allocates outputs [..., N_i], and runs over row chunks of at most 64 rows.
 std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vector<at::Tensor> ws,
                                  std::vector<c10::optional<at::Tensor>> biases, Epilogue epi,
-                                 const c10::optional<at::Tensor>& residual = c10::nullopt,
-                                 const NormTensors* norm = nullptr) {
+                                 const c10::optional<at::Tensor>& residual = c10::nullopt) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   const int64_t k = x.size(-1);
   TORCH_CHECK(k % 8 == 0, op, ": the input width ", k, " must be a multiple of 8 (16-byte loads)");
@@ -484,11 +416,7 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       RowStart rs{};
       for (int i = 0; i < a.nw; ++i) rs.v[i + 1] = rs.v[i] + a.n[i];
       const bool small = a.m <= kMaxSmallRows;
-      if (norm != nullptr) {  // callers check: SiLU-gated, <= kMaxSmallRows rows (one chunk)
-        a.norm = {reinterpret_cast<const T*>(norm->res.data_ptr()), reinterpret_cast<const T*>(norm->w.data_ptr()),
-                  reinterpret_cast<T*>(norm->new_res.data_ptr()), (float)norm->eps, norm->unit_offset};
-        launch_small<T, Epilogue::SiluMul, true>(a, rs, a.n[0]);
-      } else if (epi == Epilogue::SiluMul) {
+      if (epi == Epilogue::SiluMul) {
         if (small) launch_small<T, Epilogue::SiluMul>(a, rs, a.n[0]);
         else launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1]);
       } else {
@@ -509,28 +437,6 @@ at::Tensor gated_mlp_front(const at::Tensor& x, const at::Tensor& wg, const at::
   TORCH_CHECK(wg.sizes() == wu.sizes(), "segki::gated_mlp_front: gate ", wg.sizes(), " and up ", wu.sizes(),
               " weights differ in shape");
   return run_gemv("segki::gated_mlp_front", x, {wg, wu}, {}, Epilogue::SiluMul)[0];
-}
-
-// The decoder layer's residual add + post-attention RMSNorm folded into the MLP front (<= 4 rows): one launch
-// instead of two; (silu(gate) * up of the normed sum, the sum itself), bit-equal to add_rms_norm then
-// gated_mlp_front.
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_gated_mlp_front(const at::Tensor& x, const at::Tensor& res,
-                                                                const at::Tensor& norm_w, double eps,
-                                                                bool unit_offset, const at::Tensor& wg,
-                                                                const at::Tensor& wu) {
-  const char* op = "segki::add_rms_norm_gated_mlp_front";
-  TORCH_CHECK(wg.sizes() == wu.sizes(), op, ": gate ", wg.sizes(), " and up ", wu.sizes(), " weights differ in shape");
-  check_cuda_half(res, op, "residual", x.scalar_type());
-  check_cuda_half(norm_w, op, "norm weight", x.scalar_type());
-  TORCH_CHECK(res.sizes() == x.sizes(), op, ": residual ", res.sizes(), " != x ", x.sizes());
-  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == x.size(-1), op, ": norm weight ", norm_w.sizes(),
-              " does not match width ", x.size(-1));
-  const int64_t rows = x.numel() / std::max<int64_t>(x.size(-1), 1);
-  TORCH_CHECK(rows <= kMaxSmallRows, op, ": at most ", kMaxSmallRows, " rows (the CUDA-core GEMV path), got ", rows,
-              "; for more rows run add_rms_norm, then gated_mlp_front");
-  NormTensors n{res, norm_w, at::empty_like(x), eps, unit_offset};
-  auto front = run_gemv(op, x, {wg, wu}, {}, Epilogue::SiluMul, c10::nullopt, &n)[0];
-  return {front, n.new_res};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_proj(
@@ -590,7 +496,6 @@ TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("linear", &linear);
   m.impl("gated_mlp_front", &gated_mlp_front);
-  m.impl("add_rms_norm_gated_mlp_front", &add_rms_norm_gated_mlp_front);
   m.impl("qkv_proj", &qkv_proj);
   m.impl("gdn_in_proj", &gdn_in_proj);
 }

@@ -40,11 +40,11 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------- MLP
-def gated_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    """``down(silu(gate(x)) * up(x))``. Inside an injected decoder layer the layer calls the two ops itself, with
-    its residual add and norm folded in (see :func:`_decoder_layer`)."""
+def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (the decoder layer's residual add,
+    folded into the down projection)."""
     h = ops.gated_mlp_front(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
-    return ops.linear(h, self.down_proj.weight)                               # [..., H]
+    return ops.linear(h, self.down_proj.weight, None, residual)               # [..., H]
 
 
 # -------------------------------------------------------------------------------------- attention QKV
@@ -244,14 +244,10 @@ def _decoder_layer(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs:
     out = getattr(self, s.mixer)(self.input_layernorm(hidden_states), **mixer_kwargs)
     if isinstance(out, tuple):
         out = out[0]
-    mlp, norm_w = self.mlp, self.post_attention_layernorm.weight
+    normed, residual = ops.add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
+                                        s.post_norm.eps, s.post_norm.unit_offset)
+    mlp = self.mlp
     hooked = mlp._forward_hooks or mlp._forward_pre_hooks
     if getattr(mlp.forward, "__func__", None) is gated_mlp_forward and not hooked:
-        # the residual add + norm may ride on the MLP front (ops.dispatch.FOLD_NORM), the next residual add rides
-        # on the down projection
-        front, residual = ops.add_rms_norm_gated_mlp_front(out, hidden_states, norm_w, s.post_norm.eps,
-                                                           s.post_norm.unit_offset, mlp.gate_proj.weight,
-                                                           mlp.up_proj.weight)                 # [.., I], [.., H]
-        return ops.linear(front, mlp.down_proj.weight, None, residual)
-    normed, residual = ops.add_rms_norm(out, hidden_states, norm_w, s.post_norm.eps, s.post_norm.unit_offset)
+        return gated_mlp_forward(mlp, normed, residual)  # the residual add rides on the down projection
     return residual + mlp(normed)

@@ -103,24 +103,6 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     return reference.gated_mlp_front(x, w_gate, w_up)
 
 
-# SEGKI_FOLD_NORM=1 folds the decoder layer's residual add + post-attention RMSNorm into the MLP front's
-# CUDA-core GEMV (<= 4 rows): one launch less per layer. Off by default until the H200 measures it (read at
-# import).
-FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "0") == "1"
-FOLD_NORM_ROWS = 4
-
-
-def add_rms_norm_gated_mlp_front(x, residual, norm_w, eps: float, unit_offset: bool, w_gate, w_up
-                                 ) -> tuple[Tensor, Tensor]:
-    """See :func:`reference.add_rms_norm_gated_mlp_front`: one native launch when ``FOLD_NORM`` and the rows fit
-    the CUDA-core path, else :func:`add_rms_norm` then :func:`gated_mlp_front` (each dispatched)."""
-    if FOLD_NORM and eligible("add_rms_norm_gated_mlp_front", x, residual, norm_w, w_gate, w_up,
-                              max_rows=FOLD_NORM_ROWS, shape_ok=x.shape[-1] % 8 == 0):
-        return tuple(_native("add_rms_norm_gated_mlp_front")(x, residual, norm_w, eps, unit_offset, w_gate, w_up))
-    normed, new_residual = add_rms_norm(x, residual, norm_w, eps, unit_offset)
-    return gated_mlp_front(normed, w_gate, w_up), new_residual
-
-
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
     """See :func:`reference.qkv_proj`."""
     if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_ROWS["qkv_proj"],

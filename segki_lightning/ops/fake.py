@@ -18,11 +18,6 @@ def _gated(x, wg, wu):
     return _out(x, wg.shape[0])
 
 
-@torch.library.register_fake("segki::add_rms_norm_gated_mlp_front")
-def _add_norm_gated(x, res, norm_w, eps, unit_offset, wg, wu):
-    return _out(x, wg.shape[0]), torch.empty_like(x)
-
-
 @torch.library.register_fake("segki::qkv_proj")
 def _qkv(x, wq, wk, wv, bq, bk, bv):
     return _out(x, wq.shape[0]), _out(x, wk.shape[0]), _out(x, wv.shape[0])

@@ -3,12 +3,12 @@ the porting spec for the CUDA kernels in ``segki_lightning/csrc``. Native ops sh
 signatures. All references are differentiable compositions of torch ops, so they also serve training."""
 from .attention import attention_prologue, decode_attention, rope, valid_mask, write_token
 from .gdn import gdn_chunked, gdn_decode_step, gdn_gates, gdn_recurrence, l2norm
-from .linear import add_rms_norm_gated_mlp_front, gated_mlp_front, gdn_in_proj, linear, qkv_proj, silu_mul
+from .linear import gated_mlp_front, gdn_in_proj, linear, qkv_proj, silu_mul
 from .norm import add_rms_norm, gated_rms_norm, rms_norm
 from .sampling import sample_tokens, uniform_noise
 
 __all__ = [
-    "add_rms_norm", "add_rms_norm_gated_mlp_front", "attention_prologue", "decode_attention", "gated_mlp_front", "gated_rms_norm",
+    "add_rms_norm", "attention_prologue", "decode_attention", "gated_mlp_front", "gated_rms_norm",
     "gdn_chunked", "gdn_decode_step", "gdn_gates", "gdn_in_proj", "gdn_recurrence", "l2norm", "linear",
     "qkv_proj", "rms_norm", "rope", "sample_tokens", "silu_mul", "uniform_noise", "valid_mask", "write_token",
 ]

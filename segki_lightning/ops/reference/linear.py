@@ -25,17 +25,6 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     return silu_mul(F.linear(x, w_gate), F.linear(x, w_up))
 
 
-def add_rms_norm_gated_mlp_front(x: Tensor, residual: Tensor, norm_w: Tensor, eps: float, unit_offset: bool,
-                                 w_gate: Tensor, w_up: Tensor) -> tuple[Tensor, Tensor]:
-    """The decoder layer's residual add and post-attention RMSNorm, then the MLP front: ``x, residual [..., H]``
-    -> ``(silu(gate) * up of the normed sum [..., I], the sum [..., H])``. Exactly :func:`.norm.add_rms_norm`
-    followed by :func:`gated_mlp_front` (the native op does both in one launch for a few rows)."""
-    from .norm import add_rms_norm
-
-    normed, new_residual = add_rms_norm(x, residual, norm_w, eps, unit_offset)
-    return gated_mlp_front(normed, w_gate, w_up), new_residual
-
-
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up`` in fp32, rounded once to ``gate.dtype``: the epilogue of :func:`gated_mlp_front`."""
     return (F.silu(gate.float()) * up.float()).to(gate.dtype)
