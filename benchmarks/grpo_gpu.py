@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -102,17 +103,20 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
     here = str(Path(__file__).resolve().parent)   # so that overrides may name bench_rewards' functions
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
            "HYDRA_FULL_ERROR": "1"}   # the whole traceback in the run's log
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir.parent, env=env)
-    log = " ".join(cmd) + "\n\n" + proc.stdout + proc.stderr
-    (args.out / f"{run_dir.name}.log").write_text(log[-200_000:])
-    return proc.returncode, time.perf_counter() - t0, proc.stderr[-20000:]
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log = args.out / f"{run_dir.name}.log"   # written as the run goes: a run stopped from outside leaves it
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=run_dir.parent, env=env)
+    return proc.returncode, time.perf_counter() - t0, log.read_text()[-20000:]
 
 
-def last_error(stderr: str) -> str:
-    """The last line of ``stderr`` that names an exception (``...Error: ...``), else its last line."""
-    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
-    named = [ln for ln in lines if "Error" in ln.split(":")[0] or ln.startswith("torch.")]
-    return (named or lines or [""])[-1][:300]
+def last_error(output: str) -> str:
+    """The last line of ``output`` that raises an exception (``[rankN]: SomeError: ...``), else its last line."""
+    lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+    raised = [ln for ln in lines if re.match(r"(\[rank\d+\]:\s*)?[\w.]+(Error|Exception|Interrupt)\b:?", ln)]
+    return (raised or lines or [""])[-1][:300]
 
 
 def summarize(run_dir: Path, warm: int, params: int) -> dict:
@@ -175,7 +179,7 @@ def main() -> None:
             for devices in args.devices:
                 for mode in args.runs:
                     name = f"{mode}_{devices}gpu" + ("_fsdp" if args.strategy == "fsdp" else "") + f"_{case.name}"
-                    run_dir = Path(tmp) / name
+                    run_dir = args.out / "runs" / name   # the run's own logs/metrics.csv, also when it is stopped
                     rc, wall, err = run_recipe(ckpt, run_dir, case, mode, devices, args)
                     r = dict(run=name, case=case.name, mode=mode, devices=devices, rows_per_rank=8 * case.prompts,
                              tokens=case.tokens, micro_batch=case.micro_batch or 8 * case.prompts,
