@@ -248,3 +248,27 @@ def test_attention_prologue_is_qwen35_attention_code_exactly(dtype):
     attn = R.decode_attention(got, k_cache, v_cache, lengths, d**-0.5, gate.reshape(b, hq, d))
     assert torch.equal(attn, R.decode_attention(got, k_cache, v_cache, lengths, d**-0.5)
                        * torch.sigmoid(gate.reshape(b, hq, d)))
+
+
+@pytest.mark.parametrize("advance", [False, True], ids=["prefill", "decode_step"])
+def test_record_tokens_writes_each_rows_token_and_advances(advance):
+    """``record_tokens`` against a row-by-row reading of its contract: a finished row records pad / 0 / mask 0,
+    a row that records an EOS id finishes, and a decode step (``lengths`` given) moves offset and lengths on."""
+    from .tiny_models import decode_bookkeeping
+
+    pad = 0
+    got = decode_bookkeeping(rows=37, cols=11)
+    want = {k: v.clone() for k, v in got.items()}
+    R.record_tokens(**{**got, "lengths": got["lengths"] if advance else None}, pad=pad)
+    for b in range(37):
+        done, c = bool(want["finished"][b]), int(want["offset"][b])
+        t = pad if done else int(want["tok"][b])
+        want["out_tokens"][b, c], want["out_mask"][b, c] = t, int(not done)
+        want["out_logprobs"][b, c] = 0.0 if done else want["lp"][b]
+        want["finished"][b] = done or t in want["eos"].tolist()
+        want["token"][b] = t
+        if advance:
+            want["offset"][b] += 1
+            want["lengths"][b] += 1
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True, msg=k)

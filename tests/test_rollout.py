@@ -137,3 +137,78 @@ def test_plain_engine_leaves_the_model_uninjected(tmp_path):
     engine = RolloutEngine(model, max_batch_size=2, max_seq_len=16, use_segki=False, graph_capture=False)
     assert engine.report is None and engine.path == "eager+reference"
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_rope_table_equals_the_models_rotary(family, dtype, tmp_path):
+    """The decode step's rotary table returns exactly what the model's rotary module computes, for the
+    positions the decode step passes ([B, 1]; Qwen3.5's model hands its rotary three equal sections)."""
+    from segki_lightning.rollout.rope import RopeTable, rotary_module
+
+    model = build_model(family, tmp_path, dtype=dtype)
+    rotary = rotary_module(model)
+    assert rotary is not None
+    table = RopeTable(rotary, 64, dtype, torch.device("cpu"))
+    pos = torch.randint(0, 64, (5, 1))
+    sections = pos[None].expand(3, -1, -1) if family == "qwen3_5" else pos
+    x = torch.randn(5, 1, model.config.hidden_size, dtype=dtype)
+    want = rotary(x, sections)
+    with table.installed():
+        got = rotary(x, sections)
+    assert "forward" not in rotary.__dict__   # the module's own forward is back
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
+def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path):
+    """Count the kernels one decode step would launch on a GPU (from a CPU run: each fused-op call is one
+    native launch; every PyTorch op outside them that is not a view is one kernel). The layers must be made
+    of fused ops only, and the step adds a fixed handful around them (it had ~29 before the rotary table and
+    the fused bookkeeping)."""
+    import functools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from segki_lightning import ops
+    from segki_lightning.ops import dispatch
+
+    fused = ["linear", "gated_mlp_front", "qkv_proj", "gdn_in_proj", "rms_norm", "add_rms_norm", "decode_attention",
+             "attention_prologue", "gdn_decode_step", "sample_tokens", "record_tokens"]
+    launches: list[str] = []
+    inside = [0]
+
+    def counted(name, fn):
+        @functools.wraps(fn)
+        def call(*a, **k):
+            if not inside[0]:
+                launches.append(name)
+            inside[0] += 1
+            try:
+                return fn(*a, **k)
+            finally:
+                inside[0] -= 1
+        return call
+
+    class Kernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and not func.is_view and func.overloadpacket.__name__ not in ("detach", "lift_fresh", "_unsafe_view"):
+                launches.append(f"aten.{func.overloadpacket.__name__}")
+            return func(*args, **(kwargs or {}))
+
+    def per_step(layers: int) -> list[str]:
+        kinds = (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
+        model = build_model("qwen3_5", tmp_path, num_hidden_layers=layers, layer_types=kinds, dtype=torch.bfloat16)
+        engine = RolloutEngine(model, max_batch_size=2, max_seq_len=32, graph_capture=False)
+        engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, n=2, seed=0))
+        launches.clear()
+        with torch.no_grad(), Kernels():
+            engine._step(2)
+        return [k for k in launches if k.startswith("aten.")]
+
+    import unittest.mock as mock
+
+    with mock.patch.multiple(ops, **{n: counted(n, getattr(dispatch, n)) for n in fused}):
+        four, eight = per_step(4), per_step(8)
+    assert four == eight, "a PyTorch kernel per layer crept into the decode step"
+    assert len(four) <= 5, four   # lengths + 1, embedding, two rotary gathers, the output head

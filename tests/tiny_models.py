@@ -88,3 +88,17 @@ def padded_batch(batch: int = 3, length: int = 11, seed: int | None = None):
     return ids, mask
 
 
+
+
+def decode_bookkeeping(rows: int, cols: int, eos=(5, 9), seed: int | None = None) -> dict:
+    """Random inputs of ``record_tokens`` (one decode step's bookkeeping): some rows finished, some sampling an
+    EOS id, NaN log-probs on finished rows (they must record 0), the output buffers poisoned."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ())))
+    finished = torch.rand(rows, generator=gen) < 0.3
+    tok = torch.randint(0, 12, (rows,), generator=gen)        # ids 5 and 9 (EOS) come up often
+    lp = -torch.rand(rows, generator=gen) * 5
+    lp[finished] = float("nan")
+    return dict(tok=tok, lp=lp, finished=finished, offset=torch.randint(0, cols, (rows,), generator=gen),
+                token=torch.full((rows,), -7), out_tokens=torch.full((rows, cols), -7),
+                out_logprobs=torch.full((rows, cols), float("nan")), out_mask=torch.full((rows, cols), -7),
+                eos=torch.tensor(eos), lengths=torch.randint(0, 100, (rows,), generator=gen))

@@ -23,4 +23,7 @@ TORCH_LIBRARY(segki, m) {
         " float norm_eps, int num_k_heads, int head_k_dim, int head_v_dim) -> Tensor");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed,"
         " Tensor offset) -> (Tensor, Tensor)");
+  m.def("record_tokens(Tensor tok, Tensor lp, Tensor(a!) finished, Tensor(b!) offset, Tensor(c!) token,"
+        " Tensor(d!) out_tokens, Tensor(e!) out_logprobs, Tensor(f!) out_mask, Tensor eos, int pad,"
+        " Tensor(g!)? lengths=None) -> ()");
 }

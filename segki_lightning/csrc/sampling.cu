@@ -272,8 +272,75 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const
   return {tokens, logprobs};
 }
 
+// The decode step's bookkeeping after sampling (ops/reference/sampling.py: record_tokens), one thread per row.
+// Columns at or past S are not written (the engine keeps offsets below max_new_tokens <= S).
+__global__ void record_tokens_kernel(const int64_t* __restrict__ tok, const float* __restrict__ lp,
+                                     bool* __restrict__ finished, int64_t* __restrict__ offset,
+                                     int64_t* __restrict__ token, int64_t* __restrict__ out_tokens,
+                                     float* __restrict__ out_logprobs, int64_t* __restrict__ out_mask,
+                                     const int64_t* __restrict__ eos, int n_eos, int64_t pad,
+                                     int64_t* __restrict__ lengths, int bsz, int64_t cols) {
+  pdl_start();
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= bsz) return;
+  const bool done = finished[b];
+  const int64_t t = done ? pad : tok[b];
+  const int64_t c = offset[b];
+  if (c >= 0 && c < cols) {
+    out_tokens[b * cols + c] = t;
+    out_logprobs[b * cols + c] = done ? 0.f : lp[b];
+    out_mask[b * cols + c] = done ? 0 : 1;
+  }
+  bool hit = false;
+  for (int i = 0; i < n_eos; ++i) hit = hit || t == eos[i];
+  finished[b] = done || hit;
+  token[b] = t;
+  if (lengths != nullptr) {
+    offset[b] = c + 1;
+    lengths[b] += 1;
+  }
+}
+
+void record_tokens(const at::Tensor& tok, const at::Tensor& lp, const at::Tensor& finished, const at::Tensor& offset,
+                   const at::Tensor& token, const at::Tensor& out_tokens, const at::Tensor& out_logprobs,
+                   const at::Tensor& out_mask, const at::Tensor& eos, int64_t pad,
+                   const std::optional<at::Tensor>& lengths) {
+  const char* op = "segki::record_tokens";
+  const int64_t bsz = tok.numel();
+  auto check = [&](const at::Tensor& t, at::ScalarType dt, int dim, const char* name, bool per_row = true) {
+    TORCH_CHECK(t.is_cuda() && t.scalar_type() == dt && t.is_contiguous() && t.dim() == dim &&
+                    (!per_row || t.size(0) == bsz),
+                op, ": ", name, " must be a contiguous CUDA ", dt, " tensor of ", dim, " dims",
+                per_row ? " with one row per token" : "");
+  };
+  check(tok, at::kLong, 1, "tok");
+  check(lp, at::kFloat, 1, "lp");
+  check(finished, at::kBool, 1, "finished");
+  check(offset, at::kLong, 1, "offset");
+  check(token, at::kLong, 1, "token");
+  check(out_tokens, at::kLong, 2, "out_tokens");
+  check(out_logprobs, at::kFloat, 2, "out_logprobs");
+  check(out_mask, at::kLong, 2, "out_mask");
+  check(eos, at::kLong, 1, "eos", false);
+  TORCH_CHECK(out_logprobs.size(1) == out_tokens.size(1) && out_mask.size(1) == out_tokens.size(1), op,
+              ": out_tokens, out_logprobs and out_mask must have the same columns");
+  if (lengths.has_value()) check(*lengths, at::kLong, 1, "lengths");
+  if (bsz == 0) return;
+  c10::cuda::CUDAGuard guard(tok.device());
+  constexpr int kRowThreads = 128;
+  launch_pdl(record_tokens_kernel, dim3((unsigned)((bsz + kRowThreads - 1) / kRowThreads)), dim3(kRowThreads),
+             at::cuda::getCurrentCUDAStream(), dim3(1), tok.data_ptr<int64_t>(), lp.data_ptr<float>(),
+             finished.data_ptr<bool>(), offset.data_ptr<int64_t>(), token.data_ptr<int64_t>(),
+             out_tokens.data_ptr<int64_t>(), out_logprobs.data_ptr<float>(), out_mask.data_ptr<int64_t>(),
+             eos.data_ptr<int64_t>(), (int)eos.numel(), pad,
+             lengths.has_value() ? lengths->data_ptr<int64_t>() : nullptr, (int)bsz, out_tokens.size(1));
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("sample_tokens", &sample_tokens); }
+TORCH_LIBRARY_IMPL(segki, CUDA, m) {
+  m.impl("sample_tokens", &sample_tokens);
+  m.impl("record_tokens", &record_tokens);
+}
 
 }  // namespace segki

@@ -1,4 +1,4 @@
-"""Shape/dtype ("fake") implementations of the ops that return tensors, for tracing and torch.compile."""
+"""Shape/dtype ("fake") implementations of the ops, for tracing and torch.compile (in-place ops return None)."""
 from __future__ import annotations
 
 import torch
@@ -63,3 +63,8 @@ def _gdn_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, state, a_log, dt
 def _sample(logits, temperature, top_k, top_p, seed, offset):
     b = logits.shape[0]
     return logits.new_empty((b,), dtype=torch.long), logits.new_empty((b,), dtype=torch.float32)
+
+
+@torch.library.register_fake("segki::record_tokens")
+def _record(tok, lp, finished, offset, token, out_tokens, out_logprobs, out_mask, eos, pad, lengths=None):
+    return None   # in place only

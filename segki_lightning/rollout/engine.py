@@ -3,12 +3,13 @@
 Prefill runs the prompts through the model's own forward in left-padded groups whose result is what each
 prompt alone gives (flash-linear-attention's chunked kernels for Gated DeltaNet when installed) and copies
 the state into a static hybrid cache, replicated for the n samples. Decode is one step function -- model forward with the
-injected segments, sampling, EOS bookkeeping, length/position updates -- captured once per batch-size
+injected segments and a rotary table, sampling, EOS bookkeeping, length/position updates -- captured once per batch-size
 bucket as a CUDA graph and replayed; graphs survive optimizer steps because parameters are updated in
 place (a change of parameter storage is detected and triggers a recapture).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from .attention import NAME as SEGKI_ATTENTION, attention_implementation, regist
 from .batch import RolloutBatch, RolloutStats, left_pad
 from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
+from .rope import RopeTable, rotary_module
 
 log = logging.getLogger("segki_lightning")
 CHECK_EVERY = 16  # decode steps between the (only) device-to-host reads of "all rows finished?"
@@ -94,6 +96,7 @@ class RolloutEngine:
         log.debug("segki: rollout path %s", self.path)
         self.cache: StaticHybridCache | None = None
         self.state: _DecodeState | None = None
+        self._rope: RopeTable | None = None      # cos/sin per cache position (use_segki; built with the cache)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
         self.captures = 0          # graphs captured so far (tests and logs read it)
         self.capture_s = 0.0       # seconds spent warming up and capturing
@@ -199,6 +202,8 @@ class RolloutEngine:
                                            self.device)
             self.state = _DecodeState(self.max_batch_size, self.max_seq_len, self.device)
             self._eos = torch.tensor(self.eos or [-1], dtype=torch.long, device=self.device)
+            rotary = rotary_module(self.model) if self.use_segki else None
+            self._rope = RopeTable(rotary, self.max_seq_len, self.dtype, self.device) if rotary else None
             self._graphs.clear()
 
     def _reset(self, bucket: int, n_rows: int, sampling: SamplingConfig):
@@ -246,32 +251,27 @@ class RolloutEngine:
         st.offset.add_(1)
 
     # ------------------------------------------------------------------------------------------ decode
-    def _record(self, st: _DecodeState, tok: Tensor, lp: Tensor, rows=slice(None)) -> None:
-        """Write one sampled token per row at its completion index; pad and mask after EOS."""
-        done = st.finished[rows]
-        tok = torch.where(done, torch.full_like(tok, self.pad), tok)
-        col = st.offset[rows][:, None]
-        st.out_tokens[rows].scatter_(1, col, tok[:, None])
-        st.out_logprobs[rows].scatter_(1, col, lp.float().masked_fill(done, 0.0)[:, None])
-        st.out_mask[rows].scatter_(1, col, (~done).long()[:, None])
-        st.finished[rows] = done | torch.isin(tok, self._eos)
-        st.token[rows] = tok
+    def _record(self, st: _DecodeState, tok: Tensor, lp: Tensor, rows=slice(None), lengths: Tensor | None = None
+                ) -> None:
+        """Write one sampled token per row at its completion index; pad and mask after EOS. With ``lengths``
+        (a decode step) each row then advances by one token."""
+        ops.record_tokens(tok, lp, st.finished[rows], st.offset[rows], st.token[rows], st.out_tokens[rows],
+                          st.out_logprobs[rows], st.out_mask[rows], self._eos, self.pad, lengths)
 
     def _step(self, bucket: int) -> None:
         """One decode step for rows [0, bucket): the function that is captured."""
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
-        cache.attn_lengths.copy_(cache.lengths + 1)                                    # [B] incl. this token
+        torch.add(cache.lengths, 1, out=cache.attn_lengths)                            # [B] incl. this token
         if self.use_segki:
             kw = dict(segki_lengths=cache.attn_lengths)
         else:
             kw = dict(attention_mask=valid_mask(cache.lengths + 1, self.max_seq_len, self.dtype))
-        with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None):
+        rope = self._rope.installed() if self._rope is not None else contextlib.nullcontext()
+        with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None), rope:
             logits = self.model(input_ids=st.token[:, None], position_ids=cache.lengths[:, None], cache=cache,
                                 use_cache=True, **kw).logits[:, -1]                    # [B, V]
         tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature, st.top_k, st.top_p, st.seed, st.offset)
-        self._record(st, tok, lp)
-        cache.lengths.add_(1)
-        st.offset.add_(1)
+        self._record(st, tok, lp, lengths=cache.lengths)   # then offset and lengths + 1
 
     def _ensure_graph(self, bucket: int) -> None:
         ptrs = tuple(p.data_ptr() for p in self.model.parameters())

@@ -268,6 +268,25 @@ def sampling_args(b, temperature, top_k=0, top_p=1.0):
             torch.full((b,), 5, device="cuda"))
 
 
+@pytest.mark.parametrize("advance", [False, True], ids=["prefill", "decode_step"])
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_record_tokens_matches_reference_exactly(rows, advance):
+    """The decode step's bookkeeping: native == reference on every buffer (NaN-poisoned outputs, NaN log-probs
+    on finished rows, EOS hits)."""
+    from ..tiny_models import decode_bookkeeping
+
+    want = {k: v.cuda() for k, v in decode_bookkeeping(rows, cols=40).items()}
+    if not advance:
+        want["lengths"] = None
+    got = {k: (v.clone() if v is not None else None) for k, v in want.items()}
+    torch.ops.segki.record_tokens(got["tok"], got["lp"], got["finished"], got["offset"], got["token"],
+                                  got["out_tokens"], got["out_logprobs"], got["out_mask"], got["eos"], 3,
+                                  got["lengths"])
+    R.record_tokens(**want, pad=3)
+    for k in (k for k in want if want[k] is not None):
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, equal_nan=True, msg=k)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [248320, 1000])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 50, 1.0),

@@ -97,3 +97,18 @@ def test_memory_grows_only_by_cache_and_graph_pool(tmp_path):
     state = sum(t.numel() * t.element_size() for t in engine.state.__dict__.values())
     # the graph's private pool holds the step's temporaries and a cuBLAS workspace (32 MiB on sm_90)
     assert grown < engine.cache.nbytes() + state + 64 * 2**20, (grown, engine.cache.nbytes(), state)
+
+
+def test_rope_table_equals_the_models_rotary_on_cuda(tmp_path):
+    """The decode step's rotary table is bit-equal to the module's own cos/sin on CUDA (bf16), for positions
+    across the whole cache."""
+    from segki_lightning.rollout.rope import RopeTable, rotary_module
+
+    model = cuda_model(tmp_path)
+    rotary = rotary_module(model)
+    table = RopeTable(rotary, 4096, torch.bfloat16, torch.device("cuda"))
+    pos = torch.randint(0, 4096, (33, 1), device="cuda")
+    x = torch.randn(33, 1, 256, device="cuda", dtype=torch.bfloat16)
+    want = rotary(x, pos[None].expand(3, -1, -1))
+    got = table.lookup(x, pos[None].expand(3, -1, -1))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

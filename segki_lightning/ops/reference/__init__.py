@@ -5,10 +5,10 @@ from .attention import attention_prologue, decode_attention, rope, valid_mask, w
 from .gdn import gdn_chunked, gdn_decode_step, gdn_gates, gdn_recurrence, l2norm
 from .linear import gated_mlp_front, gdn_in_proj, linear, qkv_proj, silu_mul
 from .norm import add_rms_norm, gated_rms_norm, rms_norm
-from .sampling import sample_tokens, uniform_noise
+from .sampling import record_tokens, sample_tokens, uniform_noise
 
 __all__ = [
     "add_rms_norm", "attention_prologue", "decode_attention", "gated_mlp_front", "gated_rms_norm",
     "gdn_chunked", "gdn_decode_step", "gdn_gates", "gdn_in_proj", "gdn_recurrence", "l2norm", "linear",
-    "qkv_proj", "rms_norm", "rope", "sample_tokens", "silu_mul", "uniform_noise", "valid_mask", "write_token",
+    "qkv_proj", "record_tokens", "rms_norm", "rope", "sample_tokens", "silu_mul", "uniform_noise", "valid_mask", "write_token",
 ]

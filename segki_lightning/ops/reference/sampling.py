@@ -75,3 +75,30 @@ def sample_tokens(
     tokens = torch.where(greedy, torch.argmax(lf, dim=-1), sampled)
     logprobs = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, None])[:, 0]
     return tokens, logprobs
+
+
+def record_tokens(tok: Tensor, lp: Tensor, finished: Tensor, offset: Tensor, token: Tensor, out_tokens: Tensor,
+                  out_logprobs: Tensor, out_mask: Tensor, eos: Tensor, pad: int, lengths: Tensor | None = None
+                  ) -> None:
+    """Write each row's sampled token at its completion index, in place: the decode step's bookkeeping.
+
+    A row already finished records ``pad``, log-prob 0 and mask 0; a row whose recorded token is in ``eos``
+    becomes finished. With ``lengths`` (a decode step) the row then advances: ``offset`` and ``lengths`` + 1.
+
+    Args:
+        tok: ``[B]`` int64 sampled tokens. lp: ``[B]`` fp32 their log-probs.
+        finished: ``[B]`` bool. offset: ``[B]`` int64 completion index (< S). token: ``[B]`` int64 last token.
+        out_tokens, out_mask: ``[B, S]`` int64. out_logprobs: ``[B, S]`` fp32.
+        eos: ``[E]`` int64 end-of-sequence ids. lengths: ``[B]`` int64 cached tokens per row, or None.
+    """
+    done = finished
+    tok = tok.masked_fill(done, pad)
+    col = offset[:, None]
+    out_tokens.scatter_(1, col, tok[:, None])
+    out_logprobs.scatter_(1, col, lp.float().masked_fill(done, 0.0)[:, None])
+    out_mask.scatter_(1, col, (~done).to(out_mask.dtype)[:, None])
+    finished.copy_(done | torch.isin(tok, eos))   # (the right side is computed before the copy)
+    token.copy_(tok)
+    if lengths is not None:
+        offset.add_(1)
+        lengths.add_(1)
