@@ -327,3 +327,20 @@ def test_a_pretrained_policy_trains_in_train_mode():
     m.policy.eval()
     m.on_train_start()
     assert m.policy.training and all(x.training for x in m.policy.modules())
+
+
+def test_replicated_state_is_16_bytes_per_parameter_and_warns_past_the_gpu():
+    """The sizing rule the README gives for DDP: bf16 with fp32 masters and fp32 both keep 16 bytes per trainable
+    parameter (a frozen reference only its weights); past 90 % of the GPU the warning names the fix."""
+    from segki_lightning.rl.sizing import replicated_state_bytes, replicated_state_warning
+
+    bf16, fp32 = torch.nn.Linear(64, 32).bfloat16(), torch.nn.Linear(64, 32)
+    frozen = torch.nn.Linear(64, 32).bfloat16().requires_grad_(False)
+    n = 64 * 32 + 32
+    assert replicated_state_bytes(bf16, master_weights=True) == 16 * n
+    assert replicated_state_bytes(fp32, master_weights=True) == 16 * n
+    assert replicated_state_bytes(bf16, master_weights=False) == 12 * n
+    assert replicated_state_bytes(frozen, master_weights=True) == 2 * n
+    assert replicated_state_warning(bf16, True, gpu_bytes=16 * n * 2) is None
+    message = replicated_state_warning(bf16, True, gpu_bytes=16 * n)
+    assert message is not None and "trainer.strategy=fsdp" in message and "out-of-memory" in message

@@ -114,10 +114,14 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def configure_model(self) -> None:
         """Under Lightning's ``ModelParallelStrategy`` (``trainer.strategy=fsdp``): shard the policy and the other
         trainable modules with FSDP2 (fp32 shards, computing in the policy's dtype; see
-        :mod:`segki_lightning.lightning.fsdp`). Nothing under any other strategy."""
+        :mod:`segki_lightning.lightning.fsdp`). Under any other strategy on a GPU: a warning when the replicated
+        training state alone would not fit (see :mod:`segki_lightning.rl.sizing`)."""
         from ..lightning.fsdp import is_model_parallel, is_sharded, shard_policy
 
-        if self._trainer is None or not is_model_parallel(self.trainer.strategy) or is_sharded(self.policy):
+        if self._trainer is None or is_sharded(self.policy):
+            return
+        if not is_model_parallel(self.trainer.strategy):
+            self._warn_if_replicated_state_does_not_fit()
             return
         if self.trainer.precision not in ("32-true", "32"):
             raise ValueError(f"under FSDP (ModelParallelStrategy) use precision='32-true', not "
@@ -126,6 +130,19 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         extra = tuple(m for name, m in self.named_children() if name != "policy"
                       and any(p.requires_grad for p in m.parameters()))
         self.compute_dtype = shard_policy(self.policy, self.device_mesh["data_parallel"], extra)
+
+    def _warn_if_replicated_state_does_not_fit(self) -> None:
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        from .sizing import replicated_state_warning
+
+        root = self.trainer.strategy.root_device
+        if root.type != "cuda":
+            return
+        message = replicated_state_warning(self, self.cfg.master_weights,
+                                           torch.cuda.get_device_properties(root).total_memory)
+        if message:
+            rank_zero_warn(message)
 
     def configure_optimizers(self):
         """AdamW (fp32 masters for half-precision weights) and the per-step ``lr_scheduler_type`` schedule."""

@@ -1,0 +1,34 @@
+"""What a replicated (single-GPU or DDP) run keeps per GPU before activations, and a warning when that does
+not fit: the weights, their gradients, fp32 master weights (half-precision models) and AdamW's two fp32
+moments -- 16 bytes per parameter either way (bf16: 2 + 2 + 4 + 8; fp32: 4 + 4 + 8). Past that, FSDP
+(``trainer.strategy=fsdp``) divides all of it by the number of GPUs."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FITS = 0.9   # share of the GPU the fixed state may take before activations and the rollout cache are counted
+
+
+def replicated_state_bytes(model: nn.Module, master_weights: bool) -> int:
+    """Bytes of ``model``'s weights, plus gradients, masters and AdamW moments of the trainable ones (a frozen
+    KL reference counts its weights only)."""
+    total = 0
+    for p in model.parameters():
+        half = p.dtype in (torch.bfloat16, torch.float16)
+        extra = p.element_size() + (4 if half and master_weights else 0) + 8 if p.requires_grad else 0
+        total += p.numel() * (p.element_size() + extra)
+    return total
+
+
+def replicated_state_warning(model: nn.Module, master_weights: bool, gpu_bytes: int) -> str | None:
+    """A warning that says what to change when the replicated state alone takes more than ``FITS`` of
+    ``gpu_bytes``; None when it fits."""
+    need = replicated_state_bytes(model, master_weights)
+    if need <= FITS * gpu_bytes:
+        return None
+    gib = 2**30
+    return (f"segki: this policy's training state takes {need / gib:.1f} GiB per GPU when replicated (weights, "
+            f"gradients, fp32 masters and AdamW moments: 16 bytes per parameter) of the GPU's "
+            f"{gpu_bytes / gib:.1f} GiB, before activations and the rollout cache: expect out-of-memory. "
+            "trainer.strategy=fsdp shards it over the GPUs (with N GPUs each keeps 1/N).")
