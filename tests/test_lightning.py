@@ -221,3 +221,18 @@ def test_ppo_loss_clips_values_and_ratios():
     assert stats["clip_ratio"] == 0.5
     # value 1.0 vs old 0 is clipped to 0.1, but the unclipped error is larger, so it is used (max)
     assert values.grad[0, 0] > 0
+
+
+def test_weight_checksum_is_chunk_independent_and_sees_one_bit(monkeypatch):
+    """The rank-consistency checksum: the same value whatever the chunking (so it may be computed in pieces on
+    the parameters' device), and a single flipped bit changes it."""
+    from segki_lightning.lightning import consistency
+
+    model = torch.nn.Sequential(torch.nn.Linear(33, 17), torch.nn.Linear(17, 5)).bfloat16()
+    whole_value = consistency.weight_checksum(model)
+    monkeypatch.setattr(consistency, "CHUNK", 7)
+    assert torch.equal(consistency.weight_checksum(model), whole_value)
+    with torch.no_grad():
+        bits = model[1].weight.view(torch.int16)
+        bits[2, 3] ^= 1
+    assert not torch.equal(consistency.weight_checksum(model), whole_value)
