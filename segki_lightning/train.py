@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,10 @@ def build_policy(cfg):
     from .rl.task import char_tokenizer
 
     if cfg.model.pretrained:
+        t0 = time.perf_counter()
         model, tok = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
+        log.info("segki: loaded %s (%.2f B parameters) in %.1f s", cfg.model.pretrained,
+                 sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - t0)
     else:
         tok = char_tokenizer()
         model = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id, cfg.model.hidden_size,
