@@ -17,9 +17,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..lightning.fsdp import is_shard
+from ..lightning.fsdp import HALF, is_shard
 
-HALF = (torch.bfloat16, torch.float16)
 BUCKET_ELEMENTS = 1 << 28   # fp32 gradients made at once while stepping (1 GiB)
 
 

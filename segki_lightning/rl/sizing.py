@@ -4,8 +4,9 @@ moments -- 16 bytes per parameter either way (bf16: 2 + 2 + 4 + 8; fp32: 4 + 4 +
 (``trainer.strategy=fsdp``) divides all of it by the number of GPUs."""
 from __future__ import annotations
 
-import torch
 from torch import nn
+
+from .optim import HALF
 
 FITS = 0.9   # share of the GPU the fixed state may take before activations and the rollout cache are counted
 
@@ -15,7 +16,7 @@ def replicated_state_bytes(model: nn.Module, master_weights: bool) -> int:
     KL reference counts its weights only)."""
     total = 0
     for p in model.parameters():
-        half = p.dtype in (torch.bfloat16, torch.float16)
+        half = p.dtype in HALF
         extra = p.element_size() + (4 if half and master_weights else 0) + 8 if p.requires_grad else 0
         total += p.numel() * (p.element_size() + extra)
     return total
