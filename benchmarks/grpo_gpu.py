@@ -15,8 +15,8 @@ A case is ``SHAPE:PROMPTSxTOKENS[:mbROWS][:ckpt]``: prompts per step and rank (x
 tokens, ``algo.micro_batch_size`` and ``model.gradient_checkpointing=true``. ``segki`` is
 ``rollout.use_segki=true rollout.graph_capture=true``; ``off`` is both false (the model's plain forward,
 eager). The first ``--warm`` steps (extension load, graph capture) are left out of the medians. MFU counts
-``6 x parameters x trained tokens`` (prompt + completion) over the step time minus the rollout, against
-989 TFLOP/s (dense bf16).
+``6 x parameters x trained tokens`` (prompt + completion) over the step time minus the rollout, per GPU,
+against 989 TFLOP/s (dense bf16).
 """
 from __future__ import annotations
 
@@ -119,9 +119,9 @@ def last_error(output: str) -> str:
     return (raised or lines or [""])[-1][:300]
 
 
-def summarize(run_dir: Path, warm: int, params: int) -> dict:
+def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
     """Over the steps after the first ``warm``: mean step and rollout time per step (the rollout share is their
-    ratio), medians of the throughputs."""
+    ratio), medians of the throughputs (summed over the ``devices`` ranks; MFU is per GPU)."""
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("time/step_s")]
     keep = rows[warm:] or rows
@@ -136,16 +136,14 @@ def summarize(run_dir: Path, warm: int, params: int) -> dict:
     out = dict(steps=len(rows), steps_measured=len(keep), step_s=round(step, 3), rollout_s=round(rollout, 3),
                train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
-               mfu_train=round(6 * params * train_tok_s / PEAK_FLOPS, 3),
+               mfu_train=round(6 * params * train_tok_s / devices / PEAK_FLOPS, 3),
                peak_gib=round(max(float(r.get("memory/peak_gib") or "nan") for r in rows), 1),
                completion_len=round(med("train/completion_length"), 1),
                clip_ratio_max=round(max(float(r.get("train/clip_ratio") or 0) for r in rows), 4),
                logprob_diff_mean=round(med("rollout/logprob_diff_mean"), 4),
                logprob_diff_max=round(max(float(r.get("rollout/logprob_diff_max") or 0) for r in rows), 3),
                kl_sampler_trainer=round(med("rollout/kl_sampler_trainer"), 5),
-               first_step_s=round(float(rows[0]["time/step_s"]), 2),
-               loss_curve=[float(r.get("train/loss") or "nan") for r in rows],       # every step, for comparing
-               reward_curve=[float(r.get("train/reward") or "nan") for r in rows])   # strategies step by step
+               first_step_s=round(float(rows[0]["time/step_s"]), 2))   # per-step curves: compare_curves.py
     check = list(run_dir.rglob("rank_consistency.json"))
     if check:
         c = json.loads(check[0].read_text())
@@ -185,7 +183,7 @@ def main() -> None:
                              tokens=case.tokens, micro_batch=case.micro_batch or 8 * case.prompts,
                              params_b=round(params[case.shape] / 1e9, 2), returncode=rc, wall_s=round(wall, 1))
                     if rc == 0:
-                        r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape]))
+                        r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape], devices))
                     else:
                         r["error"] = last_error(err) or f"exit {rc}"
                     rows.append(r)
@@ -198,7 +196,7 @@ def main() -> None:
     header = (f"# GRPO recipe, Qwen3.5 shapes (random bf16), G=8, {torch.cuda.get_device_name()}, "
               f"flash-linear-attention {fla}\n\nCommand: `python benchmarks/grpo_gpu.py {cmd}`. Over the steps "
               f"after the first {args.warm}: mean times per step, median tokens/s (summed over ranks); MFU is the "
-              "training part's (6 x parameters x trained tokens / (step - rollout time) / 989 TFLOP/s); peak GiB is "
+              "training part's per GPU (6 x parameters x trained tokens / (step - rollout time) / GPUs / 989 TFLOP/s); peak GiB is "
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "rollout_s", "train_s",
             "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "tok_s_vs_off", "tok_s_vs_1gpu",

@@ -13,9 +13,10 @@
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
-#   ddp4b   benchmarks/grpo_gpu.py, 4B shape on 2 GPUs under DDP, 10 steps, a dense reward (grpo_ddp4b/)
+#   ddp4b   benchmarks/grpo_gpu.py, 4B shape on 2 GPUs under DDP, 10 steps, a dense reward and a KL term
+#           (beta 0.04: the loss then follows the policy's drift from its start; grpo_ddp4b/)
 #   fsdp4b  the same under FSDP (grpo_fsdp4b/), then compare_curves.py against grpo_ddp4b/ when it is there
-#           (curves4b/: both loss and reward curves, step by step)
+#           (curves4b/: loss, KL, reward, gradient norm and entropy, step by step)
 #   fsdp9b  benchmarks/grpo_gpu.py, 9B shape on 2 GPUs under FSDP (grpo_fsdp9b/)
 #   ddp9b   the same under DDP: expected out of memory (grpo_ddp9b/)
 # usage: bash benchmarks/run_gpu.sh --out DIR [stage ...]
@@ -54,10 +55,10 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/grpo_gpu.py --out "$out/grpo_$stage" --cases 4b:4x512:mb32:ckpt --runs segki \
                --devices 2 --strategy "$st" --warm 1 --overrides algo.lr_scheduler_type=constant \
                "rewards=[bench_rewards.even_token_fraction]" algo.reward_weights=null algo.learning_rate=1e-5 \
-               > "$out/$stage.log" 2>&1; tail -3 "$out/$stage.log" | cut -c1-300
-             if [[ $stage == fsdp4b && -f $out/grpo_ddp4b/grpo_gpu.json ]]; then
-               python3 benchmarks/compare_curves.py --out "$out/curves4b" \
-                 --runs "$out/grpo_ddp4b/grpo_gpu.json" "$out/grpo_fsdp4b/grpo_gpu.json" | tail -14
+               algo.beta=0.04 > "$out/$stage.log" 2>&1; tail -3 "$out/$stage.log" | cut -c1-300
+             if [[ $stage == fsdp4b && -d $out/grpo_ddp4b/runs ]]; then
+               python3 benchmarks/compare_curves.py --out "$out/curves4b" --runs "$out"/grpo_ddp4b/runs/* \
+                 "$out"/grpo_fsdp4b/runs/* --metrics train/loss train/kl train/reward train/grad_norm train/entropy
              fi ;;
     fsdp9b|ddp9b)
              python3 benchmarks/grpo_gpu.py --out "$out/grpo_$stage" --cases 9b:4x512:mb16:ckpt --runs segki \
