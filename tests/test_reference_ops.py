@@ -99,7 +99,8 @@ def test_decode_attention_reads_only_valid_positions(hq, hkv, d):
 
 def test_gdn_decode_step_matches_transformers_cached_step():
     """Prefill the transformers module with a cache, then compare one cached token against ours (states
-    taken from the same cache before the step)."""
+    taken from the same cache before the step), both as projection + decode step and as projection-with-conv +
+    recurrent step (the split the native path takes up to 16 rows)."""
     from transformers import DynamicCache
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -112,17 +113,23 @@ def test_gdn_decode_step_matches_transformers_cached_step():
         gdn(rand(2, 6, 64), cache=cache)
         conv_state = cache.get_conv_state(0).clone()
         rec_state = cache.get_recurrent_state(0).clone().float()
+        conv_split, rec_split = conv_state.clone(), rec_state.clone()
         x = rand(2, 1, 64)
         want = gdn(x, cache=cache)
-        qkv, z, b, a = R.gdn_in_proj(x[:, 0], gdn.in_proj_qkv.weight, gdn.in_proj_z.weight,
-                                     gdn.in_proj_b.weight, gdn.in_proj_a.weight)
+        ws = (gdn.in_proj_qkv.weight, gdn.in_proj_z.weight, gdn.in_proj_b.weight, gdn.in_proj_a.weight)
+        tail = (gdn.A_log, gdn.dt_bias, gdn.norm.weight, gdn.norm.variance_epsilon, gdn.num_k_heads, gdn.head_k_dim,
+                gdn.head_v_dim)
+        qkv, z, b, a = R.gdn_in_proj(x[:, 0], *ws)
         out = R.gdn_decode_step(qkv, z, b, a, conv_state, gdn.conv1d.weight[:, 0], gdn.conv1d.bias, rec_state,
-                                gdn.A_log, gdn.dt_bias, gdn.norm.weight, gdn.norm.variance_epsilon,
-                                gdn.num_k_heads, gdn.head_k_dim, gdn.head_v_dim)
+                                *tail)
+        mixed, z, b, a = R.gdn_in_proj_conv(x[:, 0], *ws, conv_split, gdn.conv1d.weight[:, 0], gdn.conv1d.bias)
+        split = R.gdn_recurrent_step(mixed, z, b, a, rec_split, *tail)
         got = R.linear(out, gdn.out_proj.weight)
     torch.testing.assert_close(got, want[:, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv_state, cache.get_conv_state(0), rtol=0, atol=0)
     torch.testing.assert_close(rec_state, cache.get_recurrent_state(0).float(), rtol=1e-5, atol=1e-5)
+    for a_, b_ in ((split, out), (conv_split, conv_state), (rec_split, rec_state)):
+        assert torch.equal(a_, b_)
 
 
 def test_gdn_recurrence_matches_transformers_chunked_rule():

@@ -10,6 +10,8 @@ TORCH_LIBRARY(segki, m) {
         " -> (Tensor, Tensor, Tensor)");
   m.def("gdn_in_proj(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("gdn_in_proj_conv(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a, Tensor(a!) conv_state,"
+        " Tensor conv_weight, Tensor? conv_bias) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale,"
@@ -21,6 +23,9 @@ TORCH_LIBRARY(segki, m) {
   m.def("gdn_decode_step(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor(b!) recurrent_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight,"
         " float norm_eps, int num_k_heads, int head_k_dim, int head_v_dim) -> Tensor");
+  m.def("gdn_recurrent_step(Tensor mixed, Tensor z, Tensor b, Tensor a, Tensor(a!) recurrent_state, Tensor A_log,"
+        " Tensor dt_bias, Tensor norm_weight, float norm_eps, int num_k_heads, int head_k_dim, int head_v_dim)"
+        " -> Tensor");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed,"
         " Tensor offset) -> (Tensor, Tensor)");
   m.def("record_tokens(Tensor tok, Tensor lp, Tensor(a!) finished, Tensor(b!) offset, Tensor(c!) token,"

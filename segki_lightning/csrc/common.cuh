@@ -70,6 +70,27 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// One causal depthwise-conv token of one channel (Gated-DeltaNet): shifts the channel's conv state
+// st[0..width) left by one, appends x (the projection's value, already rounded to T), returns
+// SiLU(window . w + bias). Shared by the standalone conv kernel and the in-projection's epilogue, so both
+// give the same bits. width <= kMaxConvWidth.
+constexpr int kMaxConvWidth = 8;
+template <typename T>
+__device__ __forceinline__ float conv_token(T* __restrict__ st, const T* __restrict__ w, const T* __restrict__ bias,
+                                            int c, float x, int width) {
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxConvWidth; ++i) {  // unrolled and predicated: no indexed local array
+    if (i < width) {
+      const float v = i + 1 < width ? to_float<T>(st[i + 1]) : x;  // st[i + 1] is read before it is rewritten
+      st[i] = from_float<T>(v);
+      acc += v * to_float<T>(w[(size_t)c * width + i]);
+    }
+  }
+  if (bias) acc += to_float<T>(bias[c]);
+  return silu(acc);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -1,5 +1,6 @@
 // Fused Gated-DeltaNet decode step (after the input projections), two kernels instead of the ~15 ops
-// transformers runs per layer and token:
+// transformers runs per layer and token (gdn_decode_step), or the second alone (gdn_recurrent_step) when
+// the conv ran in the in-projection's epilogue (gemv.cu, gdn_in_proj_conv):
 //   1. conv: shift the conv state left by one, append the new q|k|v token, depthwise conv + SiLU.
 //   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
 //      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
@@ -12,25 +13,14 @@
 namespace segki {
 namespace {
 
-constexpr int kMaxWidth = 8;
-
 template <typename T>
 __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_state, const T* __restrict__ w,
                                 const T* __restrict__ bias, T* __restrict__ mixed, int c_total, int width) {
   pdl_start();  // everything below reads what earlier kernels wrote
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (c >= c_total) return;
-  T* st = conv_state + ((size_t)b * c_total + c) * width;
-  float win[kMaxWidth];
-  for (int i = 0; i + 1 < width; ++i) win[i] = to_float<T>(st[i + 1]);
-  win[width - 1] = to_float<T>(qkv[(size_t)b * c_total + c]);
-  float acc = 0.f;
-  for (int i = 0; i < width; ++i) {
-    st[i] = from_float<T>(win[i]);
-    acc += win[i] * to_float<T>(w[(size_t)c * width + i]);
-  }
-  if (bias) acc += to_float<T>(bias[c]);
-  mixed[(size_t)b * c_total + c] = from_float<T>(silu(acc));
+  const size_t o = (size_t)b * c_total + c;
+  mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, to_float<T>(qkv[o]), width));
 }
 
 // grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
@@ -115,31 +105,37 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   }
 }
 
-at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b, const at::Tensor& a,
-                           at::Tensor& conv_state, const at::Tensor& conv_weight,
-                           const c10::optional<at::Tensor>& conv_bias, at::Tensor& recurrent_state,
-                           const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
-                           double norm_eps, int64_t num_k_heads, int64_t head_k_dim, int64_t head_v_dim) {
-  const char* op = "segki::gdn_decode_step";
-  const auto dt = qkv.scalar_type();
-  for (auto* t : {&qkv, &z, &b, &a, &conv_weight, &norm_weight})
-    check_cuda_half(*t, op, "input", dt);
-  check_cuda_half(conv_state, op, "conv_state", dt);
-  if (conv_bias) check_cuda_half(*conv_bias, op, "conv_bias", dt);
+struct GdnDims {
+  int bsz, c_total, hk, dk, dv, hv;
+};
+
+// Checks of the recurrence's inputs (`mixed` is q|k|v after the conv, or before it for gdn_decode_step).
+GdnDims check_recurrence(const char* op, const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& b,
+                         const at::Tensor& a, const at::Tensor& recurrent_state, const at::Tensor& a_log,
+                         const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t num_k_heads,
+                         int64_t head_k_dim, int64_t head_v_dim) {
+  const auto dt = mixed.scalar_type();
+  for (auto* t : {&mixed, &z, &b, &a, &norm_weight}) check_cuda_half(*t, op, "input", dt);
   TORCH_CHECK(recurrent_state.is_cuda() && recurrent_state.scalar_type() == at::kFloat &&
                   recurrent_state.is_contiguous(), op, ": recurrent_state must be a contiguous fp32 CUDA tensor");
-  const int bsz = (int)qkv.size(0), c_total = (int)qkv.size(1), width = (int)conv_state.size(2);
-  const int hk = (int)num_k_heads, dk = (int)head_k_dim, dv = (int)head_v_dim;
-  const int hv = (int)(z.size(1) / dv);
-  TORCH_CHECK(c_total == 2 * hk * dk + hv * dv, op, ": qkv width ", c_total, " != 2*Hk*Dk + Hv*Dv");
-  TORCH_CHECK(width <= kMaxWidth && conv_weight.size(0) == c_total && conv_weight.size(1) == width, op,
-              ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
-  TORCH_CHECK(recurrent_state.sizes() == at::IntArrayRef({bsz, hv, dk, dv}), op, ": recurrent_state ",
+  GdnDims d{(int)mixed.size(0), (int)mixed.size(1), (int)num_k_heads, (int)head_k_dim, (int)head_v_dim, 0};
+  d.hv = (int)(z.size(1) / d.dv);
+  TORCH_CHECK(d.c_total == 2 * d.hk * d.dk + d.hv * d.dv, op, ": qkv width ", d.c_total, " != 2*Hk*Dk + Hv*Dv");
+  TORCH_CHECK(recurrent_state.sizes() == at::IntArrayRef({d.bsz, d.hv, d.dk, d.dv}), op, ": recurrent_state ",
               recurrent_state.sizes(), " != [B, Hv, Dk, Dv]");
-  TORCH_CHECK(dk == 64 || dk == 128 || dk == 256, op, ": head_k_dim must be 64, 128 or 256");
-  TORCH_CHECK(dv % 32 == 0 && dv <= 256 && hv % hk == 0, op,
+  TORCH_CHECK(d.dk == 64 || d.dk == 128 || d.dk == 256, op, ": head_k_dim must be 64, 128 or 256");
+  TORCH_CHECK(d.dv % 32 == 0 && d.dv <= 256 && d.hv % d.hk == 0, op,
               ": head_v_dim must be a multiple of 32 up to 256 (one cluster of Dv/32 <= 8 blocks per head)");
   TORCH_CHECK(a_log.is_cuda() && dt_bias.is_cuda(), op, ": A_log and dt_bias must be CUDA tensors");
+  return d;
+}
+
+// Launches the recurrence on `mixed` (after the conv); returns [B, Hv*Dv].
+at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor& mixed, const at::Tensor& z,
+                             const at::Tensor& b, const at::Tensor& a, at::Tensor& recurrent_state,
+                             const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                             double norm_eps) {
+  const auto dt = mixed.scalar_type();
   // Read the gate parameters where they are (no per-step cast kernels) when both share fp32 or the
   // activation dtype; any other mix is converted once per call.
   const auto pdt = a_log.scalar_type();
@@ -148,35 +144,72 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   const auto a_log_p = direct ? a_log : a_log.to(at::kFloat).contiguous();
   const auto dt_bias_p = direct ? dt_bias : dt_bias.to(at::kFloat).contiguous();
   const bool gates_fp32 = a_log_p.scalar_type() == at::kFloat;
-  auto mixed = at::empty_like(qkv);
-  auto out = at::empty({bsz, hv * dv}, qkv.options());
-  if (bsz == 0) return out;
-  c10::cuda::CUDAGuard guard(qkv.device());
+  auto out = at::empty({d.bsz, d.hv * d.dv}, mixed.options());
+  if (d.bsz == 0) return out;
+  c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(dt, op, [&] {
-    launch_pdl(gdn_conv_kernel<T>, dim3((c_total + 255) / 256, bsz), dim3(256), stream, dim3(1),
-        reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(conv_state.data_ptr()),
-        reinterpret_cast<const T*>(conv_weight.data_ptr()),
-        conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
-        reinterpret_cast<T*>(mixed.data_ptr()), c_total, width);
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
       // clusters of Dv/32 blocks: one cluster per (value head, row)
-      launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(hv * (dv / 32), bsz), dim3(128), stream, dim3(dv / 32),
+      launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(d.hv * (d.dv / 32), d.bsz), dim3(128), stream, dim3(d.dv / 32),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()),
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
-          reinterpret_cast<T*>(out.data_ptr()), hk, hv, dv, (float)norm_eps);
+          reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv, (float)norm_eps);
     };
-    with_head_dim(dk, launch);
+    with_head_dim(d.dk, launch);
   });
   return out;
 }
 
+at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at::Tensor& b, const at::Tensor& a,
+                           at::Tensor& conv_state, const at::Tensor& conv_weight,
+                           const c10::optional<at::Tensor>& conv_bias, at::Tensor& recurrent_state,
+                           const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
+                           double norm_eps, int64_t num_k_heads, int64_t head_k_dim, int64_t head_v_dim) {
+  const char* op = "segki::gdn_decode_step";
+  const auto d = check_recurrence(op, qkv, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, num_k_heads,
+                                  head_k_dim, head_v_dim);
+  const auto dt = qkv.scalar_type();
+  check_cuda_half(conv_weight, op, "input", dt);
+  check_cuda_half(conv_state, op, "conv_state", dt);
+  if (conv_bias) check_cuda_half(*conv_bias, op, "conv_bias", dt);
+  const int width = (int)conv_state.size(2);
+  TORCH_CHECK(width <= kMaxConvWidth && conv_weight.size(0) == d.c_total && conv_weight.size(1) == width, op,
+              ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
+  auto mixed = at::empty_like(qkv);
+  if (d.bsz > 0) {
+    c10::cuda::CUDAGuard guard(qkv.device());
+    SEGKI_DISPATCH_HALF(dt, op, [&] {
+      launch_pdl(gdn_conv_kernel<T>, dim3((d.c_total + 255) / 256, d.bsz), dim3(256),
+          at::cuda::getCurrentCUDAStream(), dim3(1),
+          reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(conv_state.data_ptr()),
+          reinterpret_cast<const T*>(conv_weight.data_ptr()),
+          conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
+          reinterpret_cast<T*>(mixed.data_ptr()), d.c_total, width);
+    });
+  }
+  return launch_recurrence(op, d, mixed, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, norm_eps);
+}
+
+at::Tensor gdn_recurrent_step(const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& b, const at::Tensor& a,
+                              at::Tensor& recurrent_state, const at::Tensor& a_log, const at::Tensor& dt_bias,
+                              const at::Tensor& norm_weight, double norm_eps, int64_t num_k_heads,
+                              int64_t head_k_dim, int64_t head_v_dim) {
+  const char* op = "segki::gdn_recurrent_step";
+  const auto d = check_recurrence(op, mixed, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, num_k_heads,
+                                  head_k_dim, head_v_dim);
+  return launch_recurrence(op, d, mixed, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, norm_eps);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("gdn_decode_step", &gdn_decode_step); }
+TORCH_LIBRARY_IMPL(segki, CUDA, m) {
+  m.impl("gdn_decode_step", &gdn_decode_step);
+  m.impl("gdn_recurrent_step", &gdn_recurrent_step);
+}
 
 }  // namespace segki

@@ -40,6 +40,12 @@ struct GemvArgs {
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
   int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
   const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
+  // Gated-DeltaNet conv in the epilogue of weight 0 (gdn_in_proj_conv), or conv_state == nullptr: each output
+  // channel is owned by one thread, which shifts its conv state and stores SiLU(conv) instead of the value.
+  T* conv_state;              // [M, N_0, conv_width]
+  const T* conv_w;            // [N_0, conv_width]
+  const T* conv_b;            // [N_0] or nullptr
+  int conv_width;
 };
 
 // Before the PDL wait each block warms the first kPrefetchBytes of each of its weight rows' K slice into L2
@@ -130,7 +136,7 @@ __device__ __forceinline__ int weight_of_tile(const GemvArgs<T>& a, int tile) {
 }
 
 // One output element from its accumulated value(s): SiLU(gate) * up, or + bias, then + residual with the
-// roundings of the unfused model (the projection rounded to T, then the sum).
+// roundings of the unfused model (the projection rounded to T, then the sum), or weight 0's conv token.
 template <typename T, Epilogue EPI>
 __device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row, int col, float v, float up) {
   if (row >= a.n[wi] || col >= a.m) return;
@@ -140,6 +146,8 @@ __device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row,
   } else {
     if (a.bias[wi]) v += to_float<T>(a.bias[wi][row]);
     if (a.residual) v = round_to<T>(v) + to_float<T>(a.residual[o]);
+    if (wi == 0 && a.conv_state)
+      v = conv_token<T>(a.conv_state + o * a.conv_width, a.conv_w, a.conv_b, row, round_to<T>(v), a.conv_width);
   }
   a.out[wi][o] = from_float<T>(v);
 }
@@ -365,9 +373,16 @@ void launch_tiles(const GemvArgs<T>& a, int tiles) {
 }
 
 // Validates, allocates outputs [..., N_i], and runs over row chunks of at most 64 rows.
+struct ConvArgs {  // gdn_in_proj_conv's conv, applied to weight 0's outputs
+  at::Tensor* state;
+  const at::Tensor* weight;
+  const c10::optional<at::Tensor>* bias;
+};
+
 std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vector<at::Tensor> ws,
                                  std::vector<c10::optional<at::Tensor>> biases, Epilogue epi,
-                                 const c10::optional<at::Tensor>& residual = c10::nullopt) {
+                                 const c10::optional<at::Tensor>& residual = c10::nullopt,
+                                 const ConvArgs* conv = nullptr) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   const int64_t k = x.size(-1);
   TORCH_CHECK(k % 8 == 0, op, ": the input width ", k, " must be a multiple of 8 (16-byte loads)");
@@ -394,6 +409,20 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
     TORCH_CHECK(residual->sizes() == outs[0].sizes(), op, ": residual ", residual->sizes(), " must match the output ",
                 outs[0].sizes());
   }
+  int width = 0;
+  if (conv) {
+    width = (int)conv->state->size(-1);
+    check_cuda_half(*conv->state, op, "conv_state", x.scalar_type());
+    check_cuda_half(*conv->weight, op, "conv_weight", x.scalar_type());
+    if (conv->bias->has_value()) check_cuda_half(**conv->bias, op, "conv_bias", x.scalar_type());
+    TORCH_CHECK(conv->state->dim() == 3 && conv->state->size(0) == m && conv->state->size(1) == ws[0].size(0) &&
+                    width >= 1 && width <= kMaxConvWidth, op, ": conv_state ", conv->state->sizes(), " must be [",
+                m, ", ", ws[0].size(0), ", W] with W <= ", kMaxConvWidth);
+    TORCH_CHECK(conv->weight->sizes() == at::IntArrayRef({ws[0].size(0), width}), op, ": conv_weight ",
+                conv->weight->sizes(), " must be [", ws[0].size(0), ", ", width, "]");
+    TORCH_CHECK(!conv->bias->has_value() || (*conv->bias)->numel() == ws[0].size(0), op,
+                ": conv_bias must have one value per channel");
+  }
   if (m == 0) return outs;
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRowsPerLaunch) {
@@ -405,6 +434,12 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       a.prefetch_cols = prefetch_cols(sizeof(T));
       a.residual =
           residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) + r0 * ws[0].size(0) : nullptr;
+      if (conv) {
+        a.conv_state = reinterpret_cast<T*>(conv->state->data_ptr()) + r0 * ws[0].size(0) * width;
+        a.conv_w = reinterpret_cast<const T*>(conv->weight->data_ptr());
+        a.conv_b = conv->bias->has_value() ? reinterpret_cast<const T*>((*conv->bias)->data_ptr()) : nullptr;
+        a.conv_width = width;
+      }
       for (int i = 0; i < a.nw; ++i) {
         a.w[i] = reinterpret_cast<const T*>(ws[i].data_ptr());
         a.bias[i] = (i < (int)biases.size() && biases[i].has_value())
@@ -449,6 +484,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_proj(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj(
     const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa) {
   auto o = run_gemv("segki::gdn_in_proj", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain);
+  return {o[0], o[1], o[2], o[3]};
+}
+
+// gdn_in_proj with the Gated-DeltaNet conv token in weight 0's epilogue: returns (SiLU(conv(q|k|v)), z, b, a)
+// and shifts conv_state in place -- one launch instead of two, and q|k|v never goes through memory unconvolved.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj_conv(
+    const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa,
+    at::Tensor& conv_state, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias) {
+  const ConvArgs conv{&conv_state, &conv_weight, &conv_bias};
+  auto o = run_gemv("segki::gdn_in_proj_conv", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, &conv);
   return {o[0], o[1], o[2], o[3]};
 }
 
@@ -498,6 +543,7 @@ TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("gated_mlp_front", &gated_mlp_front);
   m.impl("qkv_proj", &qkv_proj);
   m.impl("gdn_in_proj", &gdn_in_proj);
+  m.impl("gdn_in_proj_conv", &gdn_in_proj_conv);
 }
 
 }  // namespace segki

@@ -23,7 +23,7 @@ _SAVED = "_segki_saved_forward"
 _REPORT = "_segki_report"
 _OPS = {
     "gated_mlp": ("gated_mlp_front", "linear"),
-    "gdn": ("gdn_in_proj", "gdn_decode_step", "linear"),
+    "gdn": ("gdn_in_proj_conv", "gdn_recurrent_step", "gdn_in_proj", "gdn_decode_step", "linear"),
     "attention_qkv": ("qkv_proj",),
     "rms_norm": ("rms_norm",),
     "attention": ("qkv_proj", "attention_prologue", "decode_attention", "linear"),

@@ -197,12 +197,20 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
 
 
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> Tensor:
-    """One token per row against a static cache's states (updated in place): the fused decode step."""
-    bsz = x.shape[0]
-    qkv, z, b, a = _gdn_in_proj(self, x[:, 0])                                     # [B, C] [B, Hv*Dv] ...
-    core = ops.gdn_decode_step(qkv, z, b, a, conv_state, self.conv1d.weight[:, 0], self.conv1d.bias,
-                               recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps,
-                               s.num_k_heads, s.head_k_dim, s.head_v_dim)                    # [B, Hv*Dv]
+    """One token per row against a static cache's states (updated in place): the fused decode step. Up to the
+    native GEMV rows the conv runs in the input projection's epilogue (two launches before ``out_proj``),
+    beyond them after the projection, beside the recurrence."""
+    bsz, h = x.shape[0], x[:, 0]                                                    # h [B, K]
+    w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
+    conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
+    tail = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
+            s.head_v_dim)
+    if ops.fuses_gdn_conv(h, *w, *conv):
+        mixed, z, b, a = ops.gdn_in_proj_conv(h, *w, *conv)                         # [B, C] [B, Hv*Dv] [B, Hv] x2
+        core = ops.gdn_recurrent_step(mixed, z, b, a, *tail)                       # [B, Hv*Dv]
+    else:
+        qkv, z, b, a = ops.gdn_in_proj(h, *w)
+        core = ops.gdn_decode_step(qkv, z, b, a, *conv, *tail)
     return ops.linear(core, self.out_proj.weight).view(bsz, 1, -1)
 
 

@@ -119,6 +119,23 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor
     return reference.gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
 
 
+def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
+    """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
+    the same rows as :func:`gdn_in_proj`, a conv width of at most 8. Past that, callers keep the projection
+    (cuBLAS beyond 16 rows) and the native conv + recurrence of :func:`gdn_decode_step`."""
+    ok = x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
+    return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
+                    max_rows=MAX_ROWS["gdn_in_proj"], shape_ok=ok)
+
+
+def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> tuple[Tensor, ...]:
+    """See :func:`reference.gdn_in_proj_conv`."""
+    args = (x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias)
+    if fuses_gdn_conv(*args):
+        return tuple(_native("gdn_in_proj_conv")(*args))
+    return reference.gdn_in_proj_conv(*args)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
     """See :func:`reference.rms_norm`. A strided view (Qwen3.5's q_norm gets half of each q_proj row) is
     copied once for the native kernel rather than sent through the ~10-kernel reference composition."""
@@ -166,6 +183,17 @@ def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_
     if eligible("gdn_decode_step", qkv, z, b, a, conv_state, conv_weight, conv_bias, norm_weight, shape_ok=ok):
         return _native("gdn_decode_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
     return reference.gdn_decode_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
+
+
+def gdn_recurrent_step(mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight, norm_eps: float,
+                       num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
+    """See :func:`reference.gdn_recurrent_step`."""
+    args = (mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight)
+    ok = (head_k_dim in (64, 128, 256) and head_v_dim % 32 == 0 and head_v_dim <= 256
+          and recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous())
+    if eligible("gdn_recurrent_step", mixed, z, b, a, norm_weight, shape_ok=ok):
+        return _native("gdn_recurrent_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
+    return reference.gdn_recurrent_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
 
 
 def sample_tokens(logits, temperature, top_k, top_p, seed, offset) -> tuple[Tensor, Tensor]:

@@ -28,6 +28,11 @@ def _gdn_in(x, wqkv, wz, wb, wa):
     return tuple(_out(x, w.shape[0]) for w in (wqkv, wz, wb, wa))
 
 
+@torch.library.register_fake("segki::gdn_in_proj_conv")
+def _gdn_in_conv(x, wqkv, wz, wb, wa, conv_state, conv_weight, conv_bias):
+    return tuple(_out(x, w.shape[0]) for w in (wqkv, wz, wb, wa))
+
+
 @torch.library.register_fake("segki::rms_norm")
 def _rms(x, w, eps, unit_offset):
     return torch.empty_like(x)
@@ -56,6 +61,11 @@ def _silu_mul(gate, up):
 
 @torch.library.register_fake("segki::gdn_decode_step")
 def _gdn_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, state, a_log, dt_bias, norm_w, eps, hk, dk, dv):
+    return z.new_empty(z.shape)
+
+
+@torch.library.register_fake("segki::gdn_recurrent_step")
+def _gdn_recurrent(mixed, z, b, a, state, a_log, dt_bias, norm_w, eps, hk, dk, dv):
     return z.new_empty(z.shape)
 
 

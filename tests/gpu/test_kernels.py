@@ -262,6 +262,47 @@ def test_gdn_decode_step(shape, batch, dtype):
     assert rel_err(out, want) < TOL[dtype]
 
 
+GDN_IN_SHAPES = {"4b": (2560, 16, 32, 128, 128), "08b": (1024, 16, 16, 128, 128), "odd": (72, 2, 6, 64, 96)}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 4, 5, 16, 64])   # CUDA-core rows, tensor-core rows, a full launch
+@pytest.mark.parametrize("shape", list(GDN_IN_SHAPES))
+def test_gdn_in_proj_conv_equals_the_unfused_native_ops_exactly(shape, batch, dtype, bias):
+    """The conv in the projection's epilogue + the recurrence alone == projection, then the conv + recurrence
+    kernels: the same bits in every output and both states (one conv rule, the projection rounded to T before
+    it); and within tolerance of the fp32 reference."""
+    k, hk, hv, dk, dv = GDN_IN_SHAPES[shape]
+    g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+    c = g["qkv"].shape[1]
+    g["conv_bias"] = randn(c, dtype=dtype, scale=0.5) if bias else None
+    x, ws = randn(batch, k, dtype=dtype), [randn(n, k, dtype=dtype, scale=k**-0.5) for n in (c, hv * dv, hv, hv)]
+    conv = (g["conv_state"].clone(), g["conv_weight"], g["conv_bias"])
+    rec = g["recurrent_state"].clone()
+    tail = (g["A_log"], g["dt_bias"], g["norm_weight"], 1e-6, hk, dk, dv)
+    ops = torch.ops.segki
+    poison((batch, c), (batch, hv * dv), (batch, hv), (batch, hv), dtype=dtype)
+    mixed, z, b, a = ops.gdn_in_proj_conv(x, *ws, *conv)
+    out = ops.gdn_recurrent_step(mixed, z, b, a, rec, *tail)
+    qkv, z2, b2, a2 = ops.gdn_in_proj(x, *ws)
+    conv2, rec2 = g["conv_state"].clone(), g["recurrent_state"].clone()
+    out2 = ops.gdn_decode_step(qkv, z2, b2, a2, conv2, g["conv_weight"], g["conv_bias"], rec2, *tail)
+    for got, want in ((out, out2), (conv[0], conv2), (rec, rec2), (z, z2), (b, b2), (a, a2)):
+        assert not torch.isnan(got).any() and torch.equal(got, want)
+    ref_conv = g["conv_state"].float()
+    ref_mixed = R.gdn_in_proj_conv(*f32(x, *ws), ref_conv, *f32(g["conv_weight"], g["conv_bias"]))[0]
+    assert rel_err(mixed, ref_mixed) < TOL[dtype]
+    assert rel_err(conv[0], ref_conv) < TOL[dtype]   # the appended token is the rounded projection
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_in_proj_conv_refuses_a_mismatched_conv_state(dtype):
+    x, ws = randn(2, 72, dtype=dtype), [randn(n, 72, dtype=dtype) for n in (40, 8, 2, 2)]
+    with pytest.raises(RuntimeError, match="conv_state"):
+        torch.ops.segki.gdn_in_proj_conv(x, *ws, randn(2, 41, 4, dtype=dtype), randn(40, 4, dtype=dtype), None)
+
+
 def sampling_args(b, temperature, top_k=0, top_p=1.0):
     return (torch.full((b,), float(temperature), device="cuda"), torch.full((b,), top_k, device="cuda"),
             torch.full((b,), float(top_p), device="cuda"), torch.arange(b, device="cuda") * 7919 + 3,

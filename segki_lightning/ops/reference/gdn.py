@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linear import gdn_in_proj
 from .norm import gated_rms_norm
 
 
@@ -85,13 +86,56 @@ def _torch_chunk_rule():
     return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
 
 
+def gdn_conv_step(qkv: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None) -> Tensor:
+    """One causal depthwise-conv token per row: ``qkv [B, C]`` appended to ``conv_state [B, C, W]`` (shifted
+    left IN PLACE), returns ``SiLU(window . conv_weight [C, W] + conv_bias)`` as ``[B, C]`` in ``qkv.dtype``."""
+    window = torch.cat([conv_state[:, :, 1:], qkv[:, :, None].to(conv_state.dtype)], dim=-1)   # [B, C, W]
+    conv_state.copy_(window)
+    mixed = (window.float() * conv_weight.float()).sum(-1)                                      # [B, C]
+    if conv_bias is not None:
+        mixed = mixed + conv_bias.float()
+    return F.silu(mixed).to(qkv.dtype)
+
+
+def gdn_in_proj_conv(
+    x: Tensor, w_qkv: Tensor, w_z: Tensor, w_b: Tensor, w_a: Tensor,
+    conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`gdn_in_proj` of ``x [B, K]`` followed by :func:`gdn_conv_step` on its q|k|v: returns
+    ``(mixed [B, C], z, b, a)`` and shifts ``conv_state`` in place (the native op runs the conv in the
+    projection's epilogue)."""
+    qkv, z, b, a = gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
+    return gdn_conv_step(qkv, conv_state, conv_weight, conv_bias), z, b, a
+
+
+def gdn_recurrent_step(
+    mixed: Tensor, z: Tensor, b: Tensor, a: Tensor, recurrent_state: Tensor, A_log: Tensor, dt_bias: Tensor,
+    norm_weight: Tensor, norm_eps: float, num_k_heads: int, head_k_dim: int, head_v_dim: int,
+) -> Tensor:
+    """The decode step after the conv: ``mixed [B, C]`` (q|k|v after conv + SiLU), ``z [B, Hv*Dv]``, ``b, a
+    [B, Hv]``; updates ``recurrent_state [B, Hv, Dk, Dv]`` (fp32) IN PLACE and returns the gated-RMSNorm'ed
+    core output ``[B, Hv*Dv]`` in ``mixed.dtype``, ready for ``out_proj``."""
+    bsz = mixed.shape[0]
+    key_dim = num_k_heads * head_k_dim
+    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    q = q.view(bsz, 1, num_k_heads, head_k_dim)
+    k = k.view(bsz, 1, num_k_heads, head_k_dim)
+    v = v.view(bsz, 1, -1, head_v_dim)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    out, new_state = gdn_recurrence(q, k, v, g[:, None], beta[:, None], recurrent_state)
+    recurrent_state.copy_(new_state)
+    z = z.view(bsz, -1, head_v_dim)
+    return gated_rms_norm(out[:, 0], z, norm_weight, norm_eps).reshape(bsz, -1)
+
+
 def gdn_decode_step(
     qkv: Tensor, z: Tensor, b: Tensor, a: Tensor,
     conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
     recurrent_state: Tensor, A_log: Tensor, dt_bias: Tensor,
     norm_weight: Tensor, norm_eps: float, num_k_heads: int, head_k_dim: int, head_v_dim: int,
 ) -> Tensor:
-    """One Gated-DeltaNet token per row, after the input projections; updates both states IN PLACE.
+    """One Gated-DeltaNet token per row, after the input projections: :func:`gdn_conv_step` then
+    :func:`gdn_recurrent_step`; updates both states IN PLACE.
 
     Args:
         qkv: ``[B, C]`` projected q|k|v (before the conv); z: ``[B, Hv*Dv]``; b, a: ``[B, Hv]``.
@@ -102,20 +146,6 @@ def gdn_decode_step(
     Returns:
         ``[B, Hv*Dv]`` in ``qkv.dtype``: gated-RMSNorm(core output, z), ready for ``out_proj``.
     """
-    bsz = qkv.shape[0]
-    key_dim = num_k_heads * head_k_dim
-    window = torch.cat([conv_state[:, :, 1:], qkv[:, :, None].to(conv_state.dtype)], dim=-1)   # [B, C, W]
-    conv_state.copy_(window)
-    mixed = (window.float() * conv_weight.float()).sum(-1)                                      # [B, C]
-    if conv_bias is not None:
-        mixed = mixed + conv_bias.float()
-    mixed = F.silu(mixed).to(qkv.dtype)
-    q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
-    q = q.view(bsz, 1, num_k_heads, head_k_dim)
-    k = k.view(bsz, 1, num_k_heads, head_k_dim)
-    v = v.view(bsz, 1, -1, head_v_dim)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
-    out, new_state = gdn_recurrence(q, k, v, g[:, None], beta[:, None], recurrent_state)
-    recurrent_state.copy_(new_state)
-    z = z.view(bsz, -1, head_v_dim)
-    return gated_rms_norm(out[:, 0], z, norm_weight, norm_eps).reshape(bsz, -1)
+    mixed = gdn_conv_step(qkv, conv_state, conv_weight, conv_bias)
+    return gdn_recurrent_step(mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight, norm_eps, num_k_heads,
+                              head_k_dim, head_v_dim)
