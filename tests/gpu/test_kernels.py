@@ -326,7 +326,13 @@ def test_a_native_op_raises_on_bad_input_instead_of_crashing():
 
     proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c", BAD_INPUT_CALLS], capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, f"the child process died (exit {proc.returncode}):\n{proc.stdout}{proc.stderr[-3000:]}"
+    if proc.returncode != 0:   # what the extension links against, beside torch's own libraries, for the diagnosis
+        from segki_lightning.ops.build import NAME, _arch_list, build_dir
+
+        so = build_dir(_arch_list(None)) / f"{NAME}.so"
+        libs = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+        pytest.fail(f"the child process died (exit {proc.returncode}):\n{proc.stdout}{proc.stderr[-3000:]}\n"
+                    f"ldd {so.name}:\n{libs}")
     assert "linear raised: segki::linear: weight" in proc.stdout, proc.stdout
     assert "gdn_in_proj_conv raised: segki::gdn_in_proj_conv: conv_state" in proc.stdout, proc.stdout
 
