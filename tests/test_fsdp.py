@@ -70,13 +70,20 @@ def test_fsdp_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
 
 def test_fsdp_with_validation_checkpointing_micro_batches_reuse_a_reference_and_freed_weights(tmp_path):
     """The rest of the recipe under FSDP: validation rollouts, activation checkpointing of the injected layers,
-    micro-batches, a reused rollout, the KL reference (a full frozen copy) and rollout.keep_gathered=false."""
+    micro-batches, a reused rollout, the KL reference (sharded like the policy: each rank's checkpoint holds its
+    own piece of every reference weight) and rollout.keep_gathered=false."""
     run = recipe(tmp_path / "all", "trainer.strategy=fsdp", "trainer.val_check_interval=2",
                  "model.gradient_checkpointing=true", "algo.micro_batch_size=1", "algo.num_iterations=2",
                  "algo.beta=0.04", "rollout.keep_gathered=false")
     rows = list(csv.DictReader(open(run / "logs" / "metrics.csv")))
     assert any(r.get("val/reward") for r in rows) and all(r.get("train/kl") for r in rows if r.get("train/loss"))
     assert json.loads((run / "logs" / "rank_consistency.json").read_text())["identical"]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(run / "checkpoints" / "last.ckpt").read_metadata().state_dict_metadata
+    reference = {k: v for k, v in saved.items() if ".reference." in f".{k}" and len(getattr(v, "size", ())) == 2}
+    assert reference and all(len(v.chunks) == 2 for v in reference.values()), \
+        {k: len(v.chunks) for k, v in reference.items()}
 
 
 def test_fsdp_with_a_bf16_policy_keeps_fp32_shards_and_exports_bf16(tmp_path):

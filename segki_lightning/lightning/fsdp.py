@@ -5,6 +5,9 @@ data-parallel mesh, so parameters, gradients and optimizer state are split acros
 they are the master weights -- and the layers compute in the dtype the policy came in (bf16 on GPU, through
 FSDP's ``MixedPrecisionPolicy``), so no :class:`~segki_lightning.rl.MasterWeightOptimizer` is needed.
 
+A frozen KL reference is sharded the same way, in its own dtype (no optimizer state: 2 bytes per parameter
+/ N in bf16), and its gathered root weights are released after it has scored a rollout.
+
 Rollouts: before each rollout :class:`GatheredWeights` gathers the full parameters once, in the compute dtype,
 into buffers that are swapped into the modules for the rollout while FSDP's forward hooks are set aside. The
 injected segments and the captured CUDA graphs read those buffers; they are refilled in place for the next
@@ -84,6 +87,16 @@ def shard_policy(policy: nn.Module, mesh, extra: tuple[nn.Module, ...] = ()) -> 
     return compute
 
 
+def shard_frozen(model: nn.Module, mesh) -> None:
+    """``fully_shard`` a frozen model (the KL reference) over ``mesh`` in its own dtype, like the policy: each
+    rank keeps 1/N of its weights, and its forward gathers one decoder layer at a time."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
 def through_root(model: nn.Module, fn: Callable[[], T]) -> T:
     """``fn()``, run as ``model``'s forward when ``model`` is an FSDP2 root: code that reads the root group's own
     weights (the embeddings, the output head) outside ``model(...)`` -- chunked log-probs, the plain-head probe
@@ -114,7 +127,7 @@ class GatheredWeights:
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, keep: bool = True):
         self.module, self.dtype, self.keep = module, dtype, keep
-        _reshard(module)
+        reshard(module)
         self.slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
                       if p is not None and is_shard(p)]
         self.full: dict[int, nn.Parameter] = {}   # id(shard) -> its full copy (tied weights share one)
@@ -141,7 +154,7 @@ class GatheredWeights:
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:
         """The full copies in place of the shards, FSDP's forward hooks set aside; both restored on exit."""
-        _reshard(self.module)   # an FSDP root stays unsharded after a forward without backward
+        reshard(self.module)   # an FSDP root stays unsharded after a forward without backward
         hooks = _fsdp_hooks(self.module)
         for m, pre, post in hooks:
             m._forward_pre_hooks.pop(pre[0])
@@ -170,8 +183,9 @@ class GatheredWeights:
                 self.free()
 
 
-def _reshard(module: nn.Module) -> None:
-    """Every FSDP unit of ``module`` back to its shards (its modules then hold the sharded parameters)."""
+def reshard(module: nn.Module) -> None:
+    """Every FSDP unit of ``module`` back to its shards (its modules then hold the sharded parameters). An FSDP
+    root keeps its own weights gathered after a forward without backward; this releases them."""
     from torch.distributed.fsdp import FSDPModule
 
     for m in module.modules():

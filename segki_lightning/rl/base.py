@@ -2,6 +2,7 @@
 (fp32 master weights for half-precision models), micro-batched steps, step timing and logging."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,11 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._last_rollout_s = 0.0
         self._last_train_tokens = 0
         self._buffer: RolloutBuffer | None = None
+        self.reference: nn.Module | None = None   # the frozen KL reference (see keep_reference)
+
+    def keep_reference(self) -> None:
+        """Freeze a copy of the policy as it starts: the reference of the algorithm's KL term."""
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
 
     # ------------------------------------------------------------------------------------ the RL step
     def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
@@ -99,6 +105,15 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         parts = [self.scores(model, ro, r, value_head) for r in micro_batches(rows, self.cfg.micro_batch_size)]
         return TokenScores(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
 
+    def reference_logp(self, ro: RolloutBatch) -> Tensor:
+        """``[N, T]`` log-probs of every row under the frozen KL reference. Under FSDP its gathered root weights
+        (embeddings, head) are released afterwards: no backward ever does it for a frozen model."""
+        from ..lightning.fsdp import reshard
+
+        logp = self.score_all(self.reference, ro).logp
+        reshard(self.reference)
+        return logp
+
     def corrected(self, trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, totals: Totals
                   ) -> tuple[Tensor | None, dict[str, Tensor]]:
         """Importance weights of the sampler/trainer correction (None when it is off) and the mismatch stats
@@ -116,7 +131,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         trainable modules with FSDP2 (fp32 shards, computing in the policy's dtype; see
         :mod:`segki_lightning.lightning.fsdp`). Under any other strategy on a GPU: a warning when the replicated
         training state alone would not fit (see :mod:`segki_lightning.rl.sizing`)."""
-        from ..lightning.fsdp import is_model_parallel, is_sharded, shard_policy
+        from ..lightning.fsdp import is_model_parallel, is_sharded, shard_frozen, shard_policy
 
         if self._trainer is None or is_sharded(self.policy):
             return
@@ -130,6 +145,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         extra = tuple(m for name, m in self.named_children() if name != "policy"
                       and any(p.requires_grad for p in m.parameters()))
         self.compute_dtype = shard_policy(self.policy, self.device_mesh["data_parallel"], extra)
+        if self.reference is not None:
+            shard_frozen(self.reference, self.device_mesh["data_parallel"])
 
     def _warn_if_replicated_state_does_not_fit(self) -> None:
         from lightning.pytorch.utilities import rank_zero_warn

@@ -1,7 +1,6 @@
 """GRPO as a LightningModule (names and defaults follow TRL's ``GRPOConfig``)."""
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -35,9 +34,8 @@ class GRPOModule(RLModule):
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[WeightedReward],
                  config: GRPOConfig | None = None):
         super().__init__(policy, tokenizer, rewards, config or GRPOConfig())
-        self.reference = None
         if self.cfg.beta > 0:
-            self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
+            self.keep_reference()
 
     def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
         cfg, g = self.cfg, self.cfg.num_generations
@@ -54,7 +52,7 @@ class GRPOModule(RLModule):
             if cfg.top_entropy_quantile < 1.0:
                 data["token_weight"] = high_entropy_mask(old.entropy, data["mask"], cfg.top_entropy_quantile)
         if self.reference is not None:
-            data["ref_logp"] = self.score_all(self.reference, ro).logp
+            data["ref_logp"] = self.reference_logp(ro)
         gen = torch.Generator().manual_seed(cfg.seed + self.global_step)
         steps = schedule(len(ro), cfg.steps_per_generation, cfg.num_iterations, False, gen, ro.completion_ids.device)
         return RolloutBuffer(s, data, steps)

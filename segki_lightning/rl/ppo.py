@@ -2,7 +2,6 @@
 KL penalty to a frozen reference, GAE, whitened advantages, clipped policy and value losses."""
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -36,9 +35,8 @@ class PPOModule(RLModule):
         self.value_head = nn.Linear(hidden, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
-        self.reference = None
         if self.cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(policy).requires_grad_(False).eval()
+            self.keep_reference()
 
     def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
         cfg = self.cfg
@@ -46,7 +44,7 @@ class PPOModule(RLModule):
         ro = s.batch
         mask = ro.completion_mask
         old = self.score_all(self.policy, ro, self.value_head)                               # [N, T] each
-        ref = self.score_all(self.reference, ro).logp if self.reference is not None else old.logp
+        ref = self.reference_logp(ro) if self.reference is not None else old.logp
         kl = old.logp - ref
         token_rewards = -cfg.kl_coef * kl
         last = (mask.sum(1) - 1).clamp_min(0)
