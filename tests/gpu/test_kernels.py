@@ -321,6 +321,7 @@ def test_a_native_op_raises_on_bad_input_instead_of_crashing():
     """A failed shape check inside a native op reaches Python as a RuntimeError naming the input. Run in a child
     process: two such calls (the folded norm's row limit, the fused conv's state shape) ended the whole test
     process with a segmentation fault on the H200 machine, cause not yet known."""
+    import re
     import subprocess
     import sys
 
@@ -331,8 +332,11 @@ def test_a_native_op_raises_on_bad_input_instead_of_crashing():
 
         so = build_dir(_arch_list(None)) / f"{NAME}.so"
         libs = subprocess.run(["ldd", str(so)], capture_output=True, text=True).stdout
+        cxx = subprocess.run(["c++", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+        built = re.findall(r"CXX_COMPILER=[^,]*", torch.__config__.show()) + \
+            [f"CXX11 ABI {torch._C._GLIBCXX_USE_CXX11_ABI}"]
         pytest.fail(f"the child process died (exit {proc.returncode}):\n{proc.stdout}{proc.stderr[-3000:]}\n"
-                    f"ldd {so.name}:\n{libs}")
+                    f"ldd {so.name}:\n{libs}\nthe extension's compiler: {cxx}\ntorch built with: {built}")
     assert "linear raised: segki::linear: weight" in proc.stdout, proc.stdout
     assert "gdn_in_proj_conv raised: segki::gdn_in_proj_conv: conv_state" in proc.stdout, proc.stdout
 
