@@ -123,7 +123,9 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
     """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
     the same rows as :func:`gdn_in_proj`, a conv width of at most 8. Past that, callers keep the projection
     (cuBLAS beyond 16 rows) and the native conv + recurrence of :func:`gdn_decode_step`."""
-    ok = x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
+    ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
+          and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
+          and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=MAX_ROWS["gdn_in_proj"], shape_ok=ok)
 
