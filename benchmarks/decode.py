@@ -121,6 +121,7 @@ def main() -> None:
                     "forward captured): halves the time of our rows")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
     bw = copy_bandwidth_gbps()
     rows: list[dict] = []
 
@@ -142,6 +143,9 @@ def main() -> None:
                     system = "ours: segki + graph" if segki else "ours: graph only"
                     if not segki:
                         remove_segment_ki(model)  # graph only: the model's plain forward
+                    # a run stopped from outside still shows where it was (the first row of a fresh machine also
+                    # compiles the Triton prefill kernels)
+                    print(f"[{time.perf_counter() - started:.0f} s] {name} b={batch} {mode} {system}", flush=True)
                     try:
                         r = ours(model, batch, greedy, segki)
                     except Exception as exc:  # keep measuring the rest; the row says what failed
