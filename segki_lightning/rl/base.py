@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..lightning import SegKIRolloutMixin
-from ..lightning.fsdp import whole
+from ..lightning.fsdp import is_model_parallel, is_sharded, reshard, shard_frozen, shard_policy, whole
 from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, SamplingConfig
 from .buffer import RolloutBuffer
@@ -108,8 +108,6 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def reference_logp(self, ro: RolloutBatch) -> Tensor:
         """``[N, T]`` log-probs of every row under the frozen KL reference. Under FSDP its gathered root weights
         (embeddings, head) are released afterwards: no backward ever does it for a frozen model."""
-        from ..lightning.fsdp import reshard
-
         logp = self.score_all(self.reference, ro).logp
         reshard(self.reference)
         return logp
@@ -131,8 +129,6 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         trainable modules with FSDP2 (fp32 shards, computing in the policy's dtype; see
         :mod:`segki_lightning.lightning.fsdp`). Under any other strategy on a GPU: a warning when the replicated
         training state alone would not fit (see :mod:`segki_lightning.rl.sizing`)."""
-        from ..lightning.fsdp import is_model_parallel, is_sharded, shard_frozen, shard_policy
-
         if self._trainer is None or is_sharded(self.policy):
             return
         if not is_model_parallel(self.trainer.strategy):

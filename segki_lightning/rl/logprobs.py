@@ -149,7 +149,7 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
         values = _values(value_head, hidden)
         return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
 
-    return TokenScores(*through_root(model, lambda: tuple(chunked())))
+    return through_root(model, chunked)
 
 
 def _values(value_head: nn.Module | None, hidden: Tensor) -> Tensor | None:

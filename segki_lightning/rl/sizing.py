@@ -17,7 +17,7 @@ def replicated_state_bytes(model: nn.Module, master_weights: bool) -> int:
     total = 0
     for p in model.parameters():
         half = p.dtype in HALF
-        extra = p.element_size() + (4 if half and master_weights else 0) + 8 if p.requires_grad else 0
+        extra = (p.element_size() + (4 if half and master_weights else 0) + 8) if p.requires_grad else 0
         total += p.numel() * (p.element_size() + extra)
     return total
 
