@@ -38,21 +38,27 @@ def _include_dirs() -> list[str]:
     return [str(p) for p in sorted(site.glob("nvidia/cu*/include")) if p.is_dir()]
 
 
-def load(arch: str | None = None, verbose: bool = False) -> Path:
-    """Compile (if needed) and load the extension into ``torch.ops.segki``; return the library path."""
+def compile_library(name: str, sources: list[Path], out: Path, arch: str, extra_ldflags: tuple[str, ...] = (),
+                    verbose: bool = False) -> Path:
+    """Compile (if needed) ``sources`` into ``out/<name>.so`` for ``arch`` and load it into ``torch.ops``."""
     if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # before cpp_extension derives it from a wrapper nvcc
     from torch.utils.cpp_extension import load as cpp_load
 
-    arch = _arch_list(arch)
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-    out = build_dir(arch)
-    cpp_load(name=NAME, sources=[str(s) for s in kernel_sources()], build_directory=str(out),
-             extra_cflags=["-O3"], extra_cuda_cflags=["-O3", "-lineinfo"],
+    cpp_load(name=name, sources=[str(s) for s in sources], build_directory=str(out), extra_cflags=["-O3"],
+             extra_cuda_cflags=["-O3", "-lineinfo"], extra_ldflags=list(extra_ldflags),
              extra_include_paths=_include_dirs(), is_python_module=False, verbose=verbose)
+    return out / f"{name}.so"
+
+
+def load(arch: str | None = None, verbose: bool = False) -> Path:
+    """Compile (if needed) and load the extension into ``torch.ops.segki``; return the library path."""
+    arch = _arch_list(arch)
+    so = compile_library(NAME, kernel_sources(), build_dir(arch), arch, verbose=verbose)
     from . import fake  # noqa: F401  (meta implementations for tracing / torch.compile)
 
-    return out / f"{NAME}.so"
+    return so
 
 
 def main() -> None:
