@@ -221,6 +221,25 @@ def test_top_k_top_p_keep_the_same_tokens_as_transformers_warpers(top_k, top_p):
     assert torch.equal(seen, keep)
 
 
+def test_top_p_keeps_every_token_tied_with_the_boundary_in_any_order():
+    """Half-precision logits tie often; at the top-p boundary a tied group is kept whole (the native kernel's
+    bisection on values does this), so which tokens survive does not depend on their order in the vocabulary.
+    Probabilities of [2, 1, 1, 0]: 0.53, 0.20, 0.20, 0.07; at top_p 0.6 both 1s are kept."""
+    from segki_lightning.ops.reference.sampling import _filter_top_p
+
+    base = torch.tensor([2.0, 1.0, 1.0, 0.0])
+    for _ in range(4):
+        perm = torch.randperm(4)
+        kept = torch.isfinite(_filter_top_p(base[perm][None], torch.tensor([0.6])))[0]
+        assert torch.equal(kept, base[perm] >= 1.0)
+    row = rand(1, 1000).half().float()   # many exact ties
+    kept = torch.isfinite(_filter_top_p(row, torch.tensor([0.37])))[0]
+    edge = row[0][kept].min()
+    assert torch.equal(kept, row[0] >= edge)                         # a value threshold: ties kept whole
+    probs = torch.softmax(row[0], -1)
+    assert probs[row[0] > edge].sum() < 0.37 <= probs[row[0] >= edge].sum()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_prologue_is_qwen35_attention_code_exactly(dtype):
     """q/k norm, partial rotate-half RoPE and the cache write as Qwen3.5's attention forward does them,

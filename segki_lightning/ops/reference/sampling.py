@@ -40,14 +40,14 @@ def _filter_top_k(scaled: Tensor, top_k: Tensor) -> Tensor:
 
 
 def _filter_top_p(scaled: Tensor, top_p: Tensor) -> Tensor:
-    """Keep the smallest head of the sorted distribution whose mass reaches ``top_p`` (at least one
-    token): a token survives when the probability mass strictly before it is ``< top_p``."""
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    """Keep the smallest set of the largest values whose mass reaches ``top_p`` (at least one token): the
+    boundary value ``v`` has ``mass(> v) < top_p <= mass(>= v)``, and every token equal to it is kept, so the
+    result does not depend on how ties are ordered (the native kernel bisects on values the same way)."""
+    sorted_logits = torch.sort(scaled, dim=-1, descending=True).values
     probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(-1) - probs
-    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop_sorted[:, 0] = False
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    kept = (probs.cumsum(-1) - probs < top_p[:, None]).sum(-1).clamp(min=1)   # [B] a prefix of the sorted row
+    boundary = sorted_logits.gather(-1, (kept - 1)[:, None])                    # [B, 1]
+    drop = (scaled < boundary) & (top_p[:, None] < 1.0)
     return scaled.masked_fill(drop, float("-inf"))
 
 
