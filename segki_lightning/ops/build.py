@@ -15,6 +15,10 @@ import torch
 from .extension import kernel_sources
 
 NAME = "segki_ext"
+# Link the C++ runtime that torch uses, by its soname: where the toolchain lacks the libstdc++.so link (only the
+# static archive), the extension otherwise carries its own copy, and a failed TORCH_CHECK (thrown in libc10 and
+# unwound through the extension) ends the process with a segmentation fault (benchmarks/error_path.py shows it)
+LINK_LIBSTDCXX = ("-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed")
 
 
 def _arch_list(arch: str | None) -> str:
@@ -55,7 +59,7 @@ def compile_library(name: str, sources: list[Path], out: Path, arch: str, extra_
 def load(arch: str | None = None, verbose: bool = False) -> Path:
     """Compile (if needed) and load the extension into ``torch.ops.segki``; return the library path."""
     arch = _arch_list(arch)
-    so = compile_library(NAME, kernel_sources(), build_dir(arch), arch, verbose=verbose)
+    so = compile_library(NAME, kernel_sources(), build_dir(arch), arch, LINK_LIBSTDCXX, verbose)
     from . import fake  # noqa: F401  (meta implementations for tracing / torch.compile)
 
     return so
