@@ -72,12 +72,14 @@ def test_a_large_single_projection_leaves_the_native_path_after_the_cuda_core_ro
 
 def test_the_fused_gdn_conv_has_its_own_row_limit(monkeypatch):
     """The conv in the projection's epilogue runs natively only up to its own measured rows (1), not the
-    projection's 16; the eligibility check gets that limit."""
+    projection's 16, and an end-to-end SEGKI_GEMV_MAX_ROWS comparison of the GEMVs does not move it."""
     seen = {}
     monkeypatch.setattr(dispatch, "eligible", lambda op, *t, max_rows=None, shape_ok=True: seen.update(
         op=op, max_rows=max_rows, shape_ok=shape_ok) or False)
     x, ws = torch.randn(2, 64), [torch.randn(n, 64) for n in (48, 16, 2, 2)]
     conv = (torch.randn(2, 48, 4), torch.randn(48, 4), None)
-    assert not dispatch.fuses_gdn_conv(x, *ws, *conv)
-    assert seen == dict(op="gdn_in_proj_conv", max_rows=dispatch.MAX_ROWS["gdn_in_proj_conv"], shape_ok=True)
-    assert dispatch.GEMV_ROWS["gdn_in_proj_conv"] == 1 < dispatch.GEMV_ROWS["gdn_in_proj"]
+    for gemv_rows in (16, 32):
+        monkeypatch.setitem(dispatch.MAX_ROWS, "gdn_in_proj", gemv_rows)
+        assert not dispatch.fuses_gdn_conv(x, *ws, *conv)
+        assert seen == dict(op="gdn_in_proj_conv", max_rows=1, shape_ok=True)
+    assert dispatch.CONV_EPILOGUE_ROWS == 1

@@ -22,11 +22,12 @@ NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 # on the H200 (benchmarks/results/v5_main_2bf991c/kernels.md, native kernel vs the cuBLAS composition): the
 # fused multi-weight projections win up to 16 rows on the 0.8B shape (1.6-1.9x) and are even on the 4B shape
 # (0.92-1.16x), but lose at 32 rows on the 4B shape (0.74-0.87x).
-# The GDN conv in the input projection's epilogue (gdn_in_proj_conv) only at one row: decode with it against
-# the separate conv (benchmarks/results/v8_decode/) gains 3-4 % at b=1 (0.8B 898 -> 929 tok/s, 4B 321 -> 328)
-# and loses 8 % at b=16 on 0.8B (9506 -> 8771) and 2 % on 4B: the epilogue's scalar conv-state reads and
-# writes grow with the rows, while the launch it saves does not.
-GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj": 16, "gdn_in_proj_conv": 1}
+GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj": 16}
+# The GDN conv in the input projection's epilogue (gdn_in_proj_conv) only at one row, whatever the GEMV rows:
+# decode with it against the separate conv (benchmarks/results/v8_decode/) gains 3-4 % at b=1 (0.8B 898 -> 929
+# tok/s, 4B 321 -> 328) and loses 8 % at b=16 on 0.8B (9506 -> 8771) and 2 % on 4B: the epilogue's scalar
+# conv-state reads and writes grow with the rows, while the launch it saves does not.
+CONV_EPILOGUE_ROWS = 1
 # A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after the
 # CUDA-core rows: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to
 # 16 rows, and decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there. Small weights stay native: on the
@@ -125,13 +126,14 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor
 
 def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
     """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
-    its own row limit (``GEMV_ROWS``: where it measured faster), a conv width of at most 8. Otherwise callers
+    at most ``CONV_EPILOGUE_ROWS`` rows (where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a
+    conv width of at most 8. Otherwise callers
     keep the projection (:func:`gdn_in_proj`) and the native conv + recurrence of :func:`gdn_decode_step`."""
     ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
           and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
           and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
-                    max_rows=MAX_ROWS["gdn_in_proj_conv"], shape_ok=ok)
+                    max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 
 
 def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> tuple[Tensor, ...]:
