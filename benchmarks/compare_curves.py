@@ -90,7 +90,7 @@ def main() -> None:
     sums = [summary(m, *(c[m][:steps] for c in curves[:2]), curves[2][m][:steps] if args.repeat else None)
             for m in args.metrics]
     header = (f"# Per-step curves: ref = {names[0]}, other = {names[1]}"
-              + (f", repeat = a second run of ref's configuration" if args.repeat else "")
+              + (", repeat = a second run of ref's configuration" if args.repeat else "")
               + f" ({steps} steps)\n\n{summary_table(sums)}")
     write_results(args.out, "curves", rows, list(rows[0]), header)
     (args.out / "curves_summary.json").write_text(json.dumps(sums, indent=1))

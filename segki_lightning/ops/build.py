@@ -15,9 +15,10 @@ import torch
 from .extension import kernel_sources
 
 NAME = "segki_ext"
-# Link the C++ runtime that torch uses, by its soname: where the toolchain lacks the libstdc++.so link (only the
-# static archive), the extension otherwise carries its own copy, and a failed TORCH_CHECK (thrown in libc10 and
-# unwound through the extension) ends the process with a segmentation fault (benchmarks/error_path.py shows it)
+# Link the C++ runtime that torch uses, by its soname and kept: a toolchain whose default link took the static
+# libstdc++ archive gave the extension its own copy of the runtime, and then a failed TORCH_CHECK (thrown in
+# libc10, unwound through the extension) ended the process with a segmentation fault
+# (benchmarks/error_path.py; benchmarks/results/error_path/)
 LINK_LIBSTDCXX = ("-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed")
 
 

@@ -127,8 +127,8 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor
 def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
     """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
     at most ``CONV_EPILOGUE_ROWS`` rows (where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a
-    conv width of at most 8. Otherwise callers
-    keep the projection (:func:`gdn_in_proj`) and the native conv + recurrence of :func:`gdn_decode_step`."""
+    conv width of at most 8. Otherwise callers keep the projection (:func:`gdn_in_proj`) and the native conv +
+    recurrence of :func:`gdn_decode_step`."""
     ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
           and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
           and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
