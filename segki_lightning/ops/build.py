@@ -44,8 +44,9 @@ def _include_dirs() -> list[str]:
 
 
 def compile_library(name: str, sources: list[Path], out: Path, arch: str, extra_ldflags: tuple[str, ...] = (),
-                    verbose: bool = False) -> Path:
-    """Compile (if needed) ``sources`` into ``out/<name>.so`` for ``arch`` and load it into ``torch.ops``."""
+                    verbose: bool = False, include_dirs: tuple[Path, ...] = ()) -> Path:
+    """Compile (if needed) ``sources`` into ``out/<name>.so`` for ``arch`` and load it into ``torch.ops``
+    (``include_dirs``: more header folders, e.g. the extension's own for a benchmark's kernels)."""
     if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # before cpp_extension derives it from a wrapper nvcc
     from torch.utils.cpp_extension import load as cpp_load
@@ -53,7 +54,7 @@ def compile_library(name: str, sources: list[Path], out: Path, arch: str, extra_
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     cpp_load(name=name, sources=[str(s) for s in sources], build_directory=str(out), extra_cflags=["-O3"],
              extra_cuda_cflags=["-O3", "-lineinfo"], extra_ldflags=list(extra_ldflags),
-             extra_include_paths=_include_dirs(), is_python_module=False, verbose=verbose)
+             extra_include_paths=[*map(str, include_dirs), *_include_dirs()], is_python_module=False, verbose=verbose)
     return out / f"{name}.so"
 
 

@@ -1,0 +1,144 @@
+// What a phase boundary costs (benchmarks/launch_vs_barrier.py), for the plan of one persistent kernel per
+// decoder layer: `phases` phases, each streaming its own `n16` 16-byte words of `buf` (a weight's read) over the
+// whole grid, separated either by kernel launches (with or without programmatic dependent launch, as every
+// native kernel of the decode step is launched) or by grid-wide barriers inside one kernel (hand-rolled on an
+// arrival counter, or cooperative groups' grid.sync()).
+#include <cooperative_groups.h>
+
+#include "common.cuh"
+
+namespace segki_bench {
+namespace {
+
+using segki::ld_stream;
+
+constexpr int kThreads = 256;
+
+// This block's contiguous share of the phase's words, folded into one value (kept by the caller).
+__device__ __forceinline__ unsigned stream_share(const uint4* __restrict__ buf, size_t n16) {
+  const size_t per = (n16 + gridDim.x - 1) / gridDim.x;
+  const size_t lo = min(n16, per * blockIdx.x), hi = min(n16, lo + per);
+  unsigned acc = 0;
+#pragma unroll 4
+  for (size_t i = lo + threadIdx.x; i < hi; i += kThreads) {
+    const uint4 v = ld_stream(buf + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  return acc;
+}
+
+// A value no buffer of zeros folds to: the store never happens, but the compiler must keep the loads.
+__device__ __forceinline__ void keep(unsigned acc, unsigned* sink) {
+  if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;
+}
+
+__global__ void __launch_bounds__(kThreads) phase_kernel(const uint4* __restrict__ buf, size_t n16, unsigned* sink) {
+  segki::pdl_launch_dependents();
+  segki::pdl_wait();  // a phase reads what the previous one wrote
+  keep(stream_share(buf, n16), sink);
+}
+
+// Arrival counter bar[0] and generation bar[1]: the last block to arrive resets the counter and opens the next
+// generation. Needs every block resident (grid <= SMs, one block each).
+__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* gen = bar + 1;
+    const unsigned g = *gen;  // read before arriving: it cannot move before this block has arrived
+    __threadfence();
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      atomicExch(bar, 0u);
+      __threadfence();
+      atomicAdd(bar + 1, 1u);
+    } else {
+      while (*gen == g) {
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+template <bool COOPERATIVE>
+__global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* __restrict__ buf, size_t n16, int phases,
+                                                              unsigned* bar, unsigned* sink) {
+  unsigned acc = 0;
+  for (int p = 0; p < phases; ++p) {
+    if (p > 0) {
+      if constexpr (COOPERATIVE) cooperative_groups::this_grid().sync();
+      else grid_barrier(bar);
+    }
+    acc ^= stream_share(buf + (size_t)p * n16, n16);
+  }
+  keep(acc, sink);
+}
+
+void launch(void (*kernel)(const uint4*, size_t, unsigned*), int blocks, bool pdl, const uint4* buf, size_t n16,
+            unsigned* sink, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, buf, n16, sink));
+}
+
+void check(const at::Tensor& buf, int64_t phases, int64_t blocks, const at::Tensor& sink) {
+  TORCH_CHECK(buf.is_cuda() && buf.is_contiguous() && buf.nbytes() % (16 * phases) == 0,
+              "buf must be a contiguous CUDA tensor of phases x 16-byte words");
+  TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks,
+              "sink must be an int32 CUDA tensor of at least `blocks` values");
+  TORCH_CHECK(phases >= 1 && blocks >= 1, "phases and blocks must be positive");
+}
+
+// `phases` launches of one kernel, each streaming the next slice of buf.
+void launches(const at::Tensor& buf, int64_t phases, int64_t blocks, bool pdl, at::Tensor& sink) {
+  check(buf, phases, blocks, sink);
+  const size_t n16 = buf.nbytes() / 16 / phases;
+  const auto* base = reinterpret_cast<const uint4*>(buf.data_ptr());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  for (int64_t p = 0; p < phases; ++p)
+    launch(phase_kernel, (int)blocks, pdl, base + p * n16, n16, reinterpret_cast<unsigned*>(sink.data_ptr()),
+           stream);
+}
+
+// One kernel of `phases` phases; bar: two int32 zeros (left zeroed by every run).
+void persistent(const at::Tensor& buf, int64_t phases, int64_t blocks, bool cooperative, at::Tensor& bar,
+                at::Tensor& sink) {
+  check(buf, phases, blocks, sink);
+  TORCH_CHECK(bar.is_cuda() && bar.scalar_type() == at::kInt && bar.numel() >= 2, "bar must be 2 int32 values");
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  TORCH_CHECK(blocks <= sms, "a grid barrier needs every block resident: at most ", sms, " blocks (one per SM)");
+  const size_t n16 = buf.nbytes() / 16 / phases;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cooperative ? 1 : 0;
+  auto kernel = cooperative ? persistent_kernel<true> : persistent_kernel<false>;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, reinterpret_cast<const uint4*>(buf.data_ptr()), n16, (int)phases,
+                                    reinterpret_cast<unsigned*>(bar.data_ptr()),
+                                    reinterpret_cast<unsigned*>(sink.data_ptr())));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(segki_bench, m) {
+  m.def("launches(Tensor buf, int phases, int blocks, bool pdl, Tensor(a!) sink) -> ()");
+  m.def("persistent(Tensor buf, int phases, int blocks, bool cooperative, Tensor(a!) bar, Tensor(b!) sink) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(segki_bench, CUDA, m) {
+  m.impl("launches", &launches);
+  m.impl("persistent", &persistent);
+}
+
+}  // namespace segki_bench
