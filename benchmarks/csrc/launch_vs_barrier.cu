@@ -38,27 +38,6 @@ __global__ void __launch_bounds__(kThreads) phase_kernel(const uint4* __restrict
   keep(stream_share(buf, n16), sink);
 }
 
-// Arrival counter bar[0] and generation bar[1]: the last block to arrive resets the counter and opens the next
-// generation. Needs every block resident (grid <= SMs, one block each).
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    volatile unsigned* gen = bar + 1;
-    const unsigned g = *gen;  // read before arriving: it cannot move before this block has arrived
-    __threadfence();
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      while (*gen == g) {
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
 template <bool COOPERATIVE>
 __global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* __restrict__ buf, size_t n16, int phases,
                                                               unsigned* bar, unsigned* sink) {
@@ -66,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* __res
   for (int p = 0; p < phases; ++p) {
     if (p > 0) {
       if constexpr (COOPERATIVE) cooperative_groups::this_grid().sync();
-      else grid_barrier(bar);
+      else segki::grid_barrier(bar);
     }
     acc ^= stream_share(buf + (size_t)p * n16, n16);
   }

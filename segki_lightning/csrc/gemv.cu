@@ -581,26 +581,6 @@ struct MlpBlockArgs {
   unsigned* bar;  // [2] arrival count (0 between launches) and generation
 };
 
-// Every block of the grid arrives before any leaves; all blocks must be resident (grid <= SMs, one each).
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    volatile unsigned* gen = bar + 1;
-    const unsigned g = *gen;  // read before arriving: it cannot move before this block has arrived
-    __threadfence();          // this block's writes before its arrival
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      while (*gen == g) {
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
 // n = RMSNorm(round(x + residual)) of each row into `normed` [M, H]: norm.cu's add_rms_norm arithmetic with the
 // same 256-thread mapping.
 template <typename T>

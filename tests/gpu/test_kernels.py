@@ -56,6 +56,19 @@ def poison(*shapes, dtype):
     del blocks
 
 
+def captured(step):
+    """``(graph, outputs)`` of ``step`` captured in a CUDA graph, after one warm-up call on a side stream."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 def randn(*shape, dtype, scale=1.0):
     return (torch.randn(*shape, device="cuda") * scale).to(dtype)
 
@@ -333,14 +346,7 @@ def test_mlp_block_replays_in_a_cuda_graph_with_new_inputs():
     wg, wu = (randn(inter, h, dtype=dtype, scale=h**-0.5) for _ in range(2))
     ops, barrier = torch.ops.segki, torch.zeros(2, dtype=torch.int32, device="cuda")
     step = lambda: ops.mlp_block(x, res, norm_w, 1e-6, True, wg, wu, wd, barrier)   # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for _ in range(3):
         x.copy_(randn(2, 1, h, dtype=dtype))
         res.copy_(randn(2, 1, h, dtype=dtype))
@@ -462,14 +468,7 @@ def test_every_op_replays_inside_a_cuda_graph():
                 torch.ops.segki.attention_prologue(*qkv, *rope, *norms, kc2, vc2, positions, 1e-6, True, True),
                 torch.ops.segki.silu_mul(wg, wu))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     for _ in range(3):  # new inputs copied into the static buffers
         for t in (x, q, kc, vc, logits, *qkv, *rope):
             t.copy_(torch.randn_like(t, dtype=torch.float32).to(dtype))
