@@ -100,7 +100,7 @@ def test_decode_attention_reads_only_valid_positions(hq, hkv, d):
 def test_gdn_decode_step_matches_transformers_cached_step():
     """Prefill the transformers module with a cache, then compare one cached token against ours (states
     taken from the same cache before the step), both as projection + decode step and as projection-with-conv +
-    recurrent step (the split the native path takes up to 16 rows)."""
+    recurrent step (the split the native path takes at one row)."""
     from transformers import DynamicCache
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 

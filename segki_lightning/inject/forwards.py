@@ -197,9 +197,9 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
 
 
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> Tensor:
-    """One token per row against a static cache's states (updated in place): the fused decode step. Up to the
-    native GEMV rows the conv runs in the input projection's epilogue (two launches before ``out_proj``),
-    beyond them after the projection, beside the recurrence."""
+    """One token per row against a static cache's states (updated in place): the fused decode step. Where
+    :func:`ops.fuses_gdn_conv` says so (one row) the conv runs in the input projection's epilogue (two launches
+    before ``out_proj``), otherwise after the projection, beside the recurrence."""
     bsz, h = x.shape[0], x[:, 0]                                                    # h [B, K]
     w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
