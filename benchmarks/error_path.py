@@ -1,8 +1,9 @@
 """Why a failed ``TORCH_CHECK`` inside the native extension ends the process instead of raising.
 
 Builds one-op extensions with the project's build call (``torch.utils.cpp_extension.load``, the same flags) whose
-only op fails a ``TORCH_CHECK`` -- once from a C++ source, once from a CUDA source -- each linked two ways: as the
-project links (the toolchain's defaults) and with ``libstdc++.so.6`` named first and kept (``--no-as-needed``). Each
+only op fails a ``TORCH_CHECK`` -- once from a C++ source, once from a CUDA source -- each linked two ways: with the
+toolchain's defaults (how the project linked before) and with ``libstdc++.so.6`` named first and kept
+(``build.LINK_LIBSTDCXX``, how it links now). Each
 is called in a child process. Also records, for the built project extension, its ``NEEDED`` libraries and where its
 C++ runtime symbols come from. Writes ``error_path.json`` and prints a table.
 
@@ -29,7 +30,6 @@ at::Tensor fail_{tag}(const at::Tensor& x) {{
 TORCH_LIBRARY({lib}, m) {{ m.def("fail_{tag}(Tensor x) -> Tensor"); }}
 TORCH_LIBRARY_IMPL({lib}, CompositeExplicitAutograd, m) {{ m.impl("fail_{tag}", &fail_{tag}); }}
 """
-KEEP_LIBSTDCXX = ["-Wl,--no-as-needed", "-l:libstdc++.so.6", "-Wl,--as-needed"]
 RUNTIME_SYMBOLS = ("__cxa_throw", "__cxa_allocate_exception", "__cxa_begin_catch", "__gxx_personality_v0",
                    "_Unwind_Resume", "_ZNSo3putEc", "torchCheckFail")
 
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from segki_lightning.ops.build import NAME, _arch_list, build_dir
+    from segki_lightning.ops.build import LINK_LIBSTDCXX, NAME, _arch_list, build_dir
 
     arch = _arch_list(None if torch.cuda.is_available() else "9.0")
     project = build_dir(arch) / f"{NAME}.so"
@@ -96,7 +96,7 @@ def main() -> None:
               "libc10": {"symbols": symbol_kinds(Path(torch.__file__).parent / "lib" / "libc10.so")}, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
         for suffix, kind in ((".cpp", "cpp"), (".cu", "cuda")):
-            for link, flags in (("default", []), ("keep_libstdcxx", KEEP_LIBSTDCXX)):
+            for link, flags in (("default", []), ("keep_libstdcxx", list(LINK_LIBSTDCXX))):
                 name = f"check_{kind}_{link}"
                 so = build(name, suffix, flags, Path(tmp), arch)
                 report["cases"].append({"source": kind, "link": link, "needed": needed(so),

@@ -385,6 +385,12 @@ inline int small_splits(int total_rows) {
   return splits;
 }
 
+// Blocks of the CUDA-core path for `total_rows` outputs split `splits` ways (kWarps / splits rows per block).
+inline int small_blocks(int total_rows, int splits) {
+  const int rows_per_block = kWarps / splits;
+  return (total_rows + rows_per_block - 1) / rows_per_block;
+}
+
 constexpr int kMaxRowsPerLaunch = 64;
 constexpr int kMaxSmallRows = 4;
 
@@ -392,8 +398,7 @@ template <typename T, Epilogue EPI>
 void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const int splits = small_splits(total_rows);
-  const int rows_per_block = kWarps / splits;
-  const int blocks = (total_rows + rows_per_block - 1) / rows_per_block;
+  const int blocks = small_blocks(total_rows, splits);
 #define SEGKI_SMALL_CASE(M)                                                                        \
   if (a.m <= M) {                                                                                 \
     launch_pdl(gemv_small_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), stream, dim3(1), a, rs, splits); \
@@ -677,7 +682,7 @@ at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& residual, const at::
     p.front_rs.v[1] = (int)inter;
     p.front_rs.v[2] = 2 * (int)inter;
     p.front_splits = small_splits((int)inter);
-    p.front_blocks = ((int)inter + kWarps / p.front_splits - 1) / (kWarps / p.front_splits);
+    p.front_blocks = small_blocks((int)inter, p.front_splits);
     auto& d = p.down;
     d.x = reinterpret_cast<const T*>(act.data_ptr());
     d.m = (int)m, d.k = (int)inter, d.nw = 1, d.prefetch_cols = f.prefetch_cols;
@@ -688,7 +693,7 @@ at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& residual, const at::
     d.residual_sum = p.x;
     p.down_rs.v[1] = (int)h;
     p.down_splits = small_splits((int)h);
-    p.down_blocks = ((int)h + kWarps / p.down_splits - 1) / (kWarps / p.down_splits);
+    p.down_blocks = small_blocks((int)h, p.down_splits);
     p.bar = reinterpret_cast<unsigned*>(barrier.data_ptr());
     const int grid = std::min(sms, std::max(p.front_blocks, p.down_blocks));
     const size_t smem = (size_t)m * h * sizeof(T);

@@ -211,12 +211,18 @@ def attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, 
                                         unit_offset, gated)
 
 
+def _recurrence_ok(head_k_dim: int, head_v_dim: int, recurrent_state: Tensor) -> bool:
+    """The native GDN recurrence's limits: Dk in {64, 128, 256}, Dv a multiple of 32 up to 256, a contiguous
+    fp32 state."""
+    return (head_k_dim in (64, 128, 256) and head_v_dim % 32 == 0 and head_v_dim <= 256
+            and recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous())
+
+
 def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias,
                     norm_weight, norm_eps: float, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """See :func:`reference.gdn_decode_step`."""
     args = (qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias, norm_weight)
-    ok = (head_k_dim in (64, 128, 256) and head_v_dim % 32 == 0 and head_v_dim <= 256 and conv_state.shape[-1] <= 8
-          and recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous())
+    ok = _recurrence_ok(head_k_dim, head_v_dim, recurrent_state) and conv_state.shape[-1] <= 8
     if eligible("gdn_decode_step", qkv, z, b, a, conv_state, conv_weight, conv_bias, norm_weight, shape_ok=ok):
         return _native("gdn_decode_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
     return reference.gdn_decode_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
@@ -226,9 +232,8 @@ def gdn_recurrent_step(mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_wei
                        num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """See :func:`reference.gdn_recurrent_step`."""
     args = (mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight)
-    ok = (head_k_dim in (64, 128, 256) and head_v_dim % 32 == 0 and head_v_dim <= 256
-          and recurrent_state.dtype == torch.float32 and recurrent_state.is_contiguous())
-    if eligible("gdn_recurrent_step", mixed, z, b, a, norm_weight, shape_ok=ok):
+    if eligible("gdn_recurrent_step", mixed, z, b, a, norm_weight,
+                shape_ok=_recurrence_ok(head_k_dim, head_v_dim, recurrent_state)):
         return _native("gdn_recurrent_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
     return reference.gdn_recurrent_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
 

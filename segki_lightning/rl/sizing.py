@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .optim import HALF
+from ..lightning.fsdp import HALF
 
 FITS = 0.9   # share of the GPU the fixed state may take before activations and the rollout cache are counted
 
