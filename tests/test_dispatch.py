@@ -83,26 +83,3 @@ def test_the_fused_gdn_conv_has_its_own_row_limit(monkeypatch):
         assert not dispatch.fuses_gdn_conv(x, *ws, *conv)
         assert seen == dict(op="gdn_in_proj_conv", max_rows=1, shape_ok=True)
     assert dispatch.CONV_EPILOGUE_ROWS == 1
-
-
-def test_the_mlp_block_is_opt_in_and_only_where_its_three_ops_run_natively(monkeypatch):
-    """One kernel for the MLP half replaces add_rms_norm + gated_mlp_front + linear only where each of them would
-    run natively: at most 4 rows for a 0.8B-shaped down projection (7 MiB) and for a 4B-shaped one (45 MiB, whose
-    native rows stop at 4), hidden width up to 4096; and only with SEGKI_MLP_BLOCK=1 until it is measured."""
-    seen = {}
-    monkeypatch.setattr(dispatch, "eligible", lambda op, *t, max_rows=None, shape_ok=True: seen.update(
-        op=op, max_rows=max_rows, shape_ok=shape_ok) or False)
-    monkeypatch.setattr(dispatch, "ROWS_FROM_ENV", False)
-    for h, inter in ((1024, 3584), (2560, 9216)):
-        x = torch.empty(1, 1, h, dtype=torch.bfloat16, device="meta")
-        w = (torch.empty(h, dtype=torch.bfloat16, device="meta"),
-             *(torch.empty(inter, h, dtype=torch.bfloat16, device="meta") for _ in range(2)),
-             torch.empty(h, inter, dtype=torch.bfloat16, device="meta"))
-        for switched_on in (False, True):
-            monkeypatch.setattr(dispatch, "MLP_BLOCK", switched_on)
-            dispatch.fuses_mlp_block(x, x, *w)
-            assert seen == dict(op="mlp_block", max_rows=4, shape_ok=switched_on)
-    wide = torch.empty(1, 8192, dtype=torch.bfloat16, device="meta")
-    dispatch.fuses_mlp_block(wide, wide, torch.empty(8192, device="meta"), *(torch.empty(64, 8192, device="meta"),) * 2,
-                             torch.empty(8192, 64, device="meta"))
-    assert seen["shape_ok"] is False

@@ -161,14 +161,13 @@ def test_rope_table_equals_the_models_rotary(family, dtype, tmp_path):
         assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
 
 
-@pytest.mark.parametrize("conv_in_projection,mlp_in_one", [(False, False), (True, False), (True, True)],
-                         ids=["conv_beside_recurrence", "conv_in_projection", "conv_in_projection+mlp_block"])
-def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_projection, mlp_in_one):
+@pytest.mark.parametrize("conv_in_projection", [False, True], ids=["conv_beside_recurrence", "conv_in_projection"])
+def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_projection):
     """Count the kernels one decode step would launch on a GPU (from a CPU run: each fused-op call is one
     native launch; every PyTorch op outside them that is not a view is one kernel). The layers must be made
     of fused ops only, and the step adds a fixed handful around them (it had ~29 before the rotary table and
     the fused bookkeeping). Both GDN decode paths: the conv in the input projection's epilogue (one row on a
-    GPU), and after the projection; and the MLP half as one kernel (``mlp_block``) in place of three."""
+    GPU), and after the projection."""
     import functools
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -178,7 +177,7 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
 
     fused = ["linear", "gated_mlp_front", "qkv_proj", "gdn_in_proj", "rms_norm", "add_rms_norm", "decode_attention",
              "attention_prologue", "gdn_decode_step", "gdn_in_proj_conv", "gdn_recurrent_step", "sample_tokens",
-             "record_tokens", "mlp_block"]
+             "record_tokens"]
     launches: list[str] = []
     inside = [0]
 
@@ -213,12 +212,10 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
     import unittest.mock as mock
 
     wrapped = {n: counted(n, getattr(dispatch, n)) for n in fused}
-    with mock.patch.multiple(ops, fuses_gdn_conv=lambda *a: conv_in_projection, fuses_mlp_block=lambda *a: mlp_in_one,
-                             **wrapped):
+    with mock.patch.multiple(ops, fuses_gdn_conv=lambda *a: conv_in_projection, **wrapped):
         four, eight = per_step(4), per_step(8)
     gdn_ops = {"gdn_in_proj_conv", "gdn_recurrent_step"} if conv_in_projection else {"gdn_in_proj", "gdn_decode_step"}
     assert gdn_ops <= set(launches), "the GDN layers did not take the path under test"
-    mlp_ops = {"mlp_block"} if mlp_in_one else {"add_rms_norm", "gated_mlp_front"}
-    assert mlp_ops <= set(launches) and not ({"mlp_block", "add_rms_norm"} - mlp_ops) & set(launches), launches
+    assert {"add_rms_norm", "gated_mlp_front"} <= set(launches), launches
     assert four == eight, "a PyTorch kernel per layer crept into the decode step"
     assert len(four) <= 5, four   # lengths + 1, embedding, two rotary gathers, the output head

@@ -14,6 +14,28 @@ using segki::ld_stream;
 
 constexpr int kThreads = 256;
 
+// Grid-wide barrier of a persistent kernel on bar[0] (arrivals, back to 0 after every barrier) and bar[1] (the
+// generation): every block arrives before any leaves, and writes before it are visible after it. All blocks
+// must be resident at once (grid <= SMs, one block each), and one kernel at a time may use `bar`.
+__device__ __forceinline__ void grid_barrier(unsigned* bar) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    volatile unsigned* gen = bar + 1;
+    const unsigned g = *gen;  // read before arriving: it cannot move before this block has arrived
+    __threadfence();          // this block's writes before its arrival
+    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
+      atomicExch(bar, 0u);
+      __threadfence();
+      atomicAdd(bar + 1, 1u);
+    } else {
+      while (*gen == g) {
+      }
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
 // This block's contiguous share of the phase's words, folded into one value (kept by the caller).
 __device__ __forceinline__ unsigned stream_share(const uint4* __restrict__ buf, size_t n16) {
   const size_t per = (n16 + gridDim.x - 1) / gridDim.x;
@@ -45,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* __res
   for (int p = 0; p < phases; ++p) {
     if (p > 0) {
       if constexpr (COOPERATIVE) cooperative_groups::this_grid().sync();
-      else segki::grid_barrier(bar);
+      else grid_barrier(bar);
     }
     acc ^= stream_share(buf + (size_t)p * n16, n16);
   }

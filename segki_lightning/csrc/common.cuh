@@ -158,28 +158,6 @@ inline void check_cuda_half(const at::Tensor& t, const char* op, const char* nam
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
-// Grid-wide barrier of a persistent kernel on bar[0] (arrivals, back to 0 after every barrier) and bar[1] (the
-// generation): every block arrives before any leaves, and writes before it are visible after it. All blocks
-// must be resident at once (grid <= SMs, one block each), and one kernel at a time may use `bar`.
-__device__ __forceinline__ void grid_barrier(unsigned* bar) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    volatile unsigned* gen = bar + 1;
-    const unsigned g = *gen;  // read before arriving: it cannot move before this block has arrived
-    __threadfence();          // this block's writes before its arrival
-    if (atomicAdd(bar, 1u) == gridDim.x - 1) {
-      atomicExch(bar, 0u);
-      __threadfence();
-      atomicAdd(bar + 1, 1u);
-    } else {
-      while (*gen == g) {
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
 // ---- Programmatic dependent launch (sm_90): every kernel here is launched with `launch_pdl`, so it may start
 // while the kernel before it in the stream is still finishing, and the next one may start while it finishes.
 // Contract of each kernel: call pdl_launch_dependents() first, then do only work that reads nothing another

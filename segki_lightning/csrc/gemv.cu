@@ -40,8 +40,6 @@ struct GemvArgs {
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
   int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
   const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
-  const T* residual_sum;      // with residual: the residual is round(residual + residual_sum) (mlp_block's
-                              // pre-norm sum, recomputed where add_rms_norm would have stored it), or nullptr
   // Gated-DeltaNet conv in the epilogue of weight 0 (gdn_in_proj_conv), or conv_state == nullptr: each output
   // channel is owned by one thread, which shifts its conv state and stores SiLU(conv) instead of the value.
   T* conv_state;              // [M, N_0, conv_width]
@@ -148,8 +146,7 @@ __device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row,
   } else {
     if (a.bias[wi]) v += to_float<T>(a.bias[wi][row]);
     if (a.residual) {
-      const float r = to_float<T>(a.residual[o]);
-      v = round_to<T>(v) + (a.residual_sum ? round_to<T>(r + to_float<T>(a.residual_sum[o])) : r);
+      v = round_to<T>(v) + to_float<T>(a.residual[o]);
     }
     if (wi == 0 && a.conv_state)
       v = conv_token<T>(a.conv_state + o * a.conv_width, a.conv_w, a.conv_b, row, round_to<T>(v), a.conv_width);
@@ -250,18 +247,7 @@ struct RowStart {  // cumulative output rows per weight
   int v[kMaxW + 1];
 };
 
-// Where a GEMV's x rows are read from: written before the kernel (the read-only path), shared memory, or
-// global memory written earlier in the same kernel (coherent loads, after a grid barrier).
-enum class XFrom { Global, Shared, Coherent };
-
-template <XFrom X>
-__device__ __forceinline__ uint4 load_x(const void* p) {
-  if constexpr (X == XFrom::Global) return ld_cached(p);
-  else if constexpr (X == XFrom::Shared) return *reinterpret_cast<const uint4*>(p);
-  else return __ldcg(reinterpret_cast<const uint4*>(p));
-}
-
-template <typename T, int MAXM, XFrom X = XFrom::Global>
+template <typename T, int MAXM>
 __device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const T* __restrict__ x, int m, int k,
                                         int k0, int k1, float acc[MAXM]) {
   const int lane = threadIdx.x & 31;
@@ -282,7 +268,7 @@ __device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const T* __r
       for (int r = 0; r < MAXM; ++r) {
         if (r < m) {
           float xf[8];
-          unpack8<T>(load_x<X>(x + (size_t)r * k + kk), xf);
+          unpack8<T>(ld_cached(x + (size_t)r * k + kk), xf);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[r] = fmaf(wf[i], xf[i], acc[r]);
         }
@@ -333,21 +319,20 @@ __device__ __forceinline__ void small_prefetch(const GemvArgs<T>& a, const RowSt
   if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)it.row * a.k, 1, a.k, it.k0, k1p);
 }
 
-// The outputs of (virtual) block `vb`: each warp's partial dot products, summed over the K parts in part order
-// through `red`, stored by lane r for row r of x. With `again`, ends with the block synchronised (red free for
-// the next virtual block).
-template <typename T, int MAXM, Epilogue EPI, XFrom X = XFrom::Global>
+// The outputs of block `vb`: each warp's partial dot products, summed over the K parts in part order through
+// `red`, stored by lane r for row r of x.
+template <typename T, int MAXM, Epilogue EPI>
 __device__ __forceinline__ void small_block(const GemvArgs<T>& a, const RowStart& rs, int splits, int vb,
-                                            float (*red)[EPI == Epilogue::SiluMul ? 2 : 1][MAXM], bool again) {
+                                            float (*red)[EPI == Epilogue::SiluMul ? 2 : 1][MAXM]) {
   constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SmallItem it = small_item<T, EPI>(a, rs, splits, vb, warp);
   const bool active = it.item < small_total<T, EPI>(a, rs);
   float acc[NACC][MAXM] = {};
   if (active) {
-    row_dot<T, MAXM, X>(a.w[it.wi] + (size_t)it.row * a.k, a.x, a.m, a.k, it.k0, it.k1, acc[0]);
+    row_dot<T, MAXM>(a.w[it.wi] + (size_t)it.row * a.k, a.x, a.m, a.k, it.k0, it.k1, acc[0]);
     if constexpr (EPI == Epilogue::SiluMul)
-      row_dot<T, MAXM, X>(a.w[1] + (size_t)it.row * a.k, a.x, a.m, a.k, it.k0, it.k1, acc[1]);
+      row_dot<T, MAXM>(a.w[1] + (size_t)it.row * a.k, a.x, a.m, a.k, it.k0, it.k1, acc[1]);
   }
   if (lane == 0) {
 #pragma unroll
@@ -366,7 +351,6 @@ __device__ __forceinline__ void small_block(const GemvArgs<T>& a, const RowStart
     }
     store_out<T, EPI>(a, it.wi, it.row, lane, v[0], v[NACC - 1]);
   }
-  if (again) __syncthreads();
 }
 
 template <typename T, int MAXM, Epilogue EPI>
@@ -375,7 +359,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
   pdl_launch_dependents();
   small_prefetch<T, EPI>(a, rs, splits, blockIdx.x);  // weights only: warm L2 while the previous kernel finishes
   pdl_wait();
-  small_block<T, MAXM, EPI>(a, rs, splits, blockIdx.x, red, false);
+  small_block<T, MAXM, EPI>(a, rs, splits, blockIdx.x, red);
 }
 
 // K parts per output row of the CUDA-core path: double while the grid is below 8192 warps.
@@ -564,148 +548,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj_conv(
   return {o[0], o[1], o[2], o[3]};
 }
 
-// ---- The MLP half of a decoder layer at up to 4 rows in one persistent kernel (one block per SM, grid
-// barriers between phases) instead of three launches (add_rms_norm, gated_mlp_front, linear with residual):
-//   1. every block: r = round(x + residual) and n = RMSNorm(r), into its own shared memory;
-//   2. act = SiLU(n Wg^T) * (n Wu^T) over the front's (virtual) blocks, into a scratch; grid barrier;
-//   3. out = round(act Wd^T) + r over the down projection's blocks.
-// Each phase does exactly the per-block work of the standalone kernels (the norm's thread mapping, the
-// GEMV's K split and summation order), so the output is bit-identical to the three-launch chain.
-constexpr int kMlpBlockMaxHidden = 4096;  // n of 4 rows in shared memory: 32 KB
-
-template <typename T>
-struct MlpBlockArgs {
-  const T* x;         // [M, H] the mixer's output
-  const T* residual;  // [M, H] the layer's input
-  const T* norm_w;    // [H]
-  float eps;
-  bool unit_offset;
-  GemvArgs<T> front, down;  // front.x is set in the kernel (shared memory); down.x is the act scratch
-  RowStart front_rs, down_rs;
-  int front_splits, front_blocks, down_splits, down_blocks;
-  unsigned* bar;  // [2] arrival count (0 between launches) and generation
-};
-
-// n = RMSNorm(round(x + residual)) of each row into `normed` [M, H]: norm.cu's add_rms_norm arithmetic with the
-// same 256-thread mapping.
-template <typename T>
-__device__ __forceinline__ void add_rms_norm_rows(const MlpBlockArgs<T>& p, int m, int h, T* normed,
-                                                  float* scratch) {
-  for (int r = 0; r < m; ++r) {
-    const T* xr = p.x + (size_t)r * h;
-    const T* rr = p.residual + (size_t)r * h;
-    float ss = 0.f;
-    for (int i = threadIdx.x * 8; i < h; i += kWarps * 32 * 8) {
-      float v[8], q[8];
-      unpack8<T>(ld_cached(xr + i), v);
-      unpack8<T>(ld_cached(rr + i), q);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        v[j] = round_to<T>(q[j] + v[j]);
-        ss += v[j] * v[j];
-      }
-    }
-    const float inv = rsqrtf(block_sum(ss, scratch) / h + p.eps);
-    for (int i = threadIdx.x * 8; i < h; i += kWarps * 32 * 8) {
-      float v[8], q[8], wf[8];
-      unpack8<T>(ld_cached(xr + i), v);
-      unpack8<T>(ld_cached(rr + i), q);
-      unpack8<T>(ld_cached(p.norm_w + i), wf);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        v[j] = round_to<T>(q[j] + v[j]);
-        v[j] = p.unit_offset ? v[j] * inv * (1.f + wf[j]) : wf[j] * round_to<T>(v[j] * inv);
-      }
-      *reinterpret_cast<uint4*>(normed + (size_t)r * h + i) = pack8<T>(v);
-    }
-  }
-  __syncthreads();
-}
-
-template <typename T, int MAXM>
-__global__ void __launch_bounds__(kWarps * 32) mlp_block_kernel(const MlpBlockArgs<T> p) {
-  extern __shared__ __align__(16) char smem[];
-  T* normed = reinterpret_cast<T*>(smem);  // [M, H]
-  __shared__ float scratch[32];
-  __shared__ float red_front[kWarps][2][MAXM];
-  __shared__ float red_down[kWarps][1][MAXM];
-  pdl_launch_dependents();
-  if (blockIdx.x < p.front_blocks) small_prefetch<T, Epilogue::SiluMul>(p.front, p.front_rs, p.front_splits, blockIdx.x);
-  pdl_wait();
-  add_rms_norm_rows<T>(p, p.front.m, p.front.k, normed, scratch);
-  GemvArgs<T> front = p.front;
-  front.x = normed;
-  for (int vb = blockIdx.x; vb < p.front_blocks; vb += gridDim.x)
-    small_block<T, MAXM, Epilogue::SiluMul, XFrom::Shared>(front, p.front_rs, p.front_splits, vb, red_front, true);
-  if (blockIdx.x < p.down_blocks) small_prefetch<T, Epilogue::Plain>(p.down, p.down_rs, p.down_splits, blockIdx.x);
-  grid_barrier(p.bar);
-  for (int vb = blockIdx.x; vb < p.down_blocks; vb += gridDim.x)
-    small_block<T, MAXM, Epilogue::Plain, XFrom::Coherent>(p.down, p.down_rs, p.down_splits, vb, red_down, true);
-}
-
-at::Tensor mlp_block(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm_w, double eps,
-                     bool unit_offset, const at::Tensor& wg, const at::Tensor& wu, const at::Tensor& wd,
-                     at::Tensor& barrier) {
-  const char* op = "segki::mlp_block";
-  check_cuda_half(x, op, "x", x.scalar_type());
-  for (auto* t : {&residual, &norm_w, &wg, &wu, &wd}) check_cuda_half(*t, op, "input", x.scalar_type());
-  const int64_t h = x.size(-1), m = x.numel() / std::max<int64_t>(h, 1), inter = wg.size(0);
-  TORCH_CHECK(residual.sizes() == x.sizes(), op, ": residual ", residual.sizes(), " must match x ", x.sizes());
-  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == h, op, ": norm weight ", norm_w.sizes(), " must be [", h, "]");
-  TORCH_CHECK(wg.dim() == 2 && wg.size(1) == h && wu.sizes() == wg.sizes(), op, ": gate ", wg.sizes(), " and up ",
-              wu.sizes(), " must both be [I, ", h, "]");
-  TORCH_CHECK(wd.dim() == 2 && wd.size(0) == h && wd.size(1) == inter, op, ": down ", wd.sizes(), " must be [", h,
-              ", ", inter, "]");
-  TORCH_CHECK(m <= kMaxSmallRows && h % 8 == 0 && inter % 8 == 0 && h <= kMlpBlockMaxHidden, op, ": ", m,
-              " rows of width ", h, " (at most ", kMaxSmallRows, " rows, width a multiple of 8 up to ",
-              kMlpBlockMaxHidden, ", intermediate ", inter, " a multiple of 8)");
-  TORCH_CHECK(barrier.is_cuda() && barrier.scalar_type() == at::kInt && barrier.numel() >= 2 &&
-                  barrier.is_contiguous(), op, ": barrier must be 2 contiguous int32 values on the device");
-  auto out = at::empty_like(x);
-  if (m == 0) return out;
-  auto act = at::empty({m, inter}, x.options());
-  c10::cuda::CUDAGuard guard(x.device());
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
-    MlpBlockArgs<T> p{};
-    p.x = reinterpret_cast<const T*>(x.data_ptr());
-    p.residual = reinterpret_cast<const T*>(residual.data_ptr());
-    p.norm_w = reinterpret_cast<const T*>(norm_w.data_ptr());
-    p.eps = (float)eps;
-    p.unit_offset = unit_offset;
-    auto& f = p.front;
-    f.m = (int)m, f.k = (int)h, f.nw = 2, f.prefetch_cols = prefetch_cols(sizeof(T));
-    f.w[0] = reinterpret_cast<const T*>(wg.data_ptr());
-    f.w[1] = reinterpret_cast<const T*>(wu.data_ptr());
-    f.n[0] = f.n[1] = (int)inter;
-    f.out[0] = reinterpret_cast<T*>(act.data_ptr());
-    p.front_rs.v[1] = (int)inter;
-    p.front_rs.v[2] = 2 * (int)inter;
-    p.front_splits = small_splits((int)inter);
-    p.front_blocks = small_blocks((int)inter, p.front_splits);
-    auto& d = p.down;
-    d.x = reinterpret_cast<const T*>(act.data_ptr());
-    d.m = (int)m, d.k = (int)inter, d.nw = 1, d.prefetch_cols = f.prefetch_cols;
-    d.w[0] = reinterpret_cast<const T*>(wd.data_ptr());
-    d.n[0] = (int)h;
-    d.out[0] = reinterpret_cast<T*>(out.data_ptr());
-    d.residual = p.residual;
-    d.residual_sum = p.x;
-    p.down_rs.v[1] = (int)h;
-    p.down_splits = small_splits((int)h);
-    p.down_blocks = small_blocks((int)h, p.down_splits);
-    p.bar = reinterpret_cast<unsigned*>(barrier.data_ptr());
-    const int grid = std::min(sms, std::max(p.front_blocks, p.down_blocks));
-    const size_t smem = (size_t)m * h * sizeof(T);
-    auto stream = at::cuda::getCurrentCUDAStream();
-    const dim3 blocks(grid), threads(kWarps * 32), one(1);
-    if (m <= 1) launch_pdl_smem(mlp_block_kernel<T, 1>, blocks, threads, smem, stream, one, p);
-    else if (m <= 2) launch_pdl_smem(mlp_block_kernel<T, 2>, blocks, threads, smem, stream, one, p);
-    else launch_pdl_smem(mlp_block_kernel<T, 4>, blocks, threads, smem, stream, one, p);
-  });
-  return out;
-}
-
 // ---- SiLU(gate) * up for batches beyond the GEMV range, whose two products come from cuBLAS: one launch
 // instead of the five (two casts, silu, mul, cast back) of the fp32 reference. 8 elements per thread.
 template <typename T>
@@ -753,7 +595,6 @@ TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("qkv_proj", &qkv_proj);
   m.impl("gdn_in_proj", &gdn_in_proj);
   m.impl("gdn_in_proj_conv", &gdn_in_proj_conv);
-  m.impl("mlp_block", &mlp_block);
 }
 
 }  // namespace segki

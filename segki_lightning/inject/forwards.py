@@ -218,8 +218,7 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
 @dataclass
 class LayerSpec:
     """A pre-norm residual decoder layer: ``x + mixer(norm1(x))`` then ``+ mlp(norm2(.))``; the first
-    residual add is fused with ``norm2``, the second with the MLP's down projection when that is injected (or
-    the whole MLP half is one kernel, :func:`ops.mlp_block`, where it runs natively)."""
+    residual add is fused with ``norm2``, the second with the MLP's down projection when that is injected."""
 
     mixer: str                           # "self_attn" | "linear_attn"
     signature: inspect.Signature         # of the layer's original forward
@@ -253,15 +252,10 @@ def _decoder_layer(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs:
     out = getattr(self, s.mixer)(self.input_layernorm(hidden_states), **mixer_kwargs)
     if isinstance(out, tuple):
         out = out[0]
-    mlp, norm_w = self.mlp, self.post_attention_layernorm.weight
-    eps, unit_offset = s.post_norm.eps, s.post_norm.unit_offset
-    fused_mlp = getattr(mlp.forward, "__func__", None) is gated_mlp_forward and not (
-        mlp._forward_hooks or mlp._forward_pre_hooks)
-    if fused_mlp:
-        weights = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-        if ops.fuses_mlp_block(out, hidden_states, norm_w, *weights):   # the MLP half as one kernel
-            return ops.mlp_block(out, hidden_states, norm_w, eps, unit_offset, *weights)
-    normed, residual = ops.add_rms_norm(out, hidden_states, norm_w, eps, unit_offset)
-    if fused_mlp:
+    normed, residual = ops.add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
+                                        s.post_norm.eps, s.post_norm.unit_offset)
+    mlp = self.mlp
+    hooked = mlp._forward_hooks or mlp._forward_pre_hooks
+    if getattr(mlp.forward, "__func__", None) is gated_mlp_forward and not hooked:
         return gated_mlp_forward(mlp, normed, residual)  # the residual add rides on the down projection
     return residual + mlp(normed)

@@ -124,35 +124,6 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor
     return reference.gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
 
 
-# The MLP half of a decoder layer in one persistent kernel (segki::mlp_block) instead of three launches, at up to
-# 4 rows: opt-in (SEGKI_MLP_BLOCK=1) until its decode A/B has been measured.
-MLP_BLOCK = os.environ.get("SEGKI_MLP_BLOCK") == "1"
-MLP_BLOCK_ROWS, MLP_BLOCK_MAX_HIDDEN = 4, 4096
-_BARRIERS: dict[torch.device, Tensor] = {}
-
-
-def fuses_mlp_block(x, residual, norm_weight, w_gate, w_up, w_down) -> bool:
-    """Whether :func:`mlp_block` runs as one native kernel here: switched on, at most 4 rows where its three
-    unfused ops would each run natively too (so it replaces exactly them), hidden width up to 4096."""
-    h, inter = x.shape[-1], w_gate.shape[0]
-    ok = (MLP_BLOCK and h % 8 == 0 and inter % 8 == 0 and h <= MLP_BLOCK_MAX_HIDDEN and residual.shape == x.shape
-          and w_up.shape == w_gate.shape == (inter, h) and w_down.shape == (h, inter))
-    rows = min(MLP_BLOCK_ROWS, MAX_ROWS["gated_mlp_front"], linear_rows(w_down))
-    return eligible("mlp_block", x, residual, norm_weight, w_gate, w_up, w_down, max_rows=rows, shape_ok=ok)
-
-
-def mlp_block(x, residual, norm_weight, eps: float, unit_offset: bool, w_gate, w_up, w_down) -> Tensor:
-    """See :func:`reference.mlp_block`; unfused, the native add_rms_norm, gated_mlp_front and linear where each
-    is eligible. The native kernel's grid barrier keeps its state in two int32 per device (one stream at a time)."""
-    if fuses_mlp_block(x, residual, norm_weight, w_gate, w_up, w_down):
-        barrier = _BARRIERS.get(x.device)
-        if barrier is None:
-            barrier = _BARRIERS[x.device] = torch.zeros(2, dtype=torch.int32, device=x.device)
-        return _native("mlp_block")(x, residual, norm_weight, eps, unit_offset, w_gate, w_up, w_down, barrier)
-    normed, new_residual = add_rms_norm(x, residual, norm_weight, eps, unit_offset)
-    return linear(gated_mlp_front(normed, w_gate, w_up), w_down, None, new_residual)
-
-
 def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
     """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
     at most ``CONV_EPILOGUE_ROWS`` rows (where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a

@@ -54,11 +54,6 @@ def _attn_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps
     return q.new_empty((b, q.shape[-1] // (2 * d if gated else d), d))
 
 
-@torch.library.register_fake("segki::mlp_block")
-def _mlp_block(x, residual, norm_w, eps, unit_offset, wg, wu, wd, barrier):
-    return torch.empty_like(x)
-
-
 @torch.library.register_fake("segki::silu_mul")
 def _silu_mul(gate, up):
     return torch.empty_like(gate)

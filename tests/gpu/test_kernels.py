@@ -309,53 +309,6 @@ def test_gdn_in_proj_conv_equals_the_unfused_native_ops_exactly(shape, batch, dt
     assert rel_err(conv[0], ref_conv) < TOL[dtype]   # the appended token is the rounded projection
 
 
-MLP_SHAPES = {"08b": (1024, 3584), "4b": (2560, 9216), "odd": (72, 200)}
-
-
-@pytest.mark.parametrize("unit_offset", [True, False], ids=["qwen35_norm", "llama_norm"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape", list(MLP_SHAPES))
-def test_mlp_block_equals_its_three_native_ops_exactly(shape, batch, dtype, unit_offset):
-    """The MLP half in one persistent kernel (norm per block, gate/up, grid barrier, down + residual) gives the
-    bits of add_rms_norm -> gated_mlp_front -> linear(residual), the three launches it replaces; its inputs stay
-    untouched and the barrier state returns to zero arrivals."""
-    h, inter = MLP_SHAPES[shape]
-    x, res = randn(batch, 1, h, dtype=dtype), randn(batch, 1, h, dtype=dtype)
-    norm_w = randn(h, dtype=dtype, scale=0.3)
-    wg, wu = (randn(inter, h, dtype=dtype, scale=h**-0.5) for _ in range(2))
-    wd = randn(h, inter, dtype=dtype, scale=inter**-0.5)
-    ops, barrier = torch.ops.segki, torch.zeros(2, dtype=torch.int32, device="cuda")
-    x0, res0 = x.clone(), res.clone()
-    poison((batch, inter), (batch, 1, h), dtype=dtype)
-    got = ops.mlp_block(x, res, norm_w, 1e-6, unit_offset, wg, wu, wd, barrier)
-    normed, new_res = ops.add_rms_norm(x, res, norm_w, 1e-6, unit_offset)
-    want = ops.linear(ops.gated_mlp_front(normed, wg, wu), wd, None, new_res)
-    assert not torch.isnan(got).any() and torch.equal(got, want)
-    assert torch.equal(x, x0) and torch.equal(res, res0) and int(barrier[0]) == 0
-    ref = R.mlp_block(*f32(x, res, norm_w), 1e-6, unit_offset, *f32(wg, wu, wd))
-    assert rel_err(got, ref) < 2 * TOL[dtype]
-
-
-def test_mlp_block_replays_in_a_cuda_graph_with_new_inputs():
-    """Captured once, replayed with new inputs: each replay equals the three unfused ops (the grid barrier's
-    state carries over between replays)."""
-    dtype, (h, inter) = torch.bfloat16, MLP_SHAPES["08b"]
-    x, res = randn(2, 1, h, dtype=dtype), randn(2, 1, h, dtype=dtype)
-    norm_w, wd = randn(h, dtype=dtype, scale=0.3), randn(h, inter, dtype=dtype, scale=inter**-0.5)
-    wg, wu = (randn(inter, h, dtype=dtype, scale=h**-0.5) for _ in range(2))
-    ops, barrier = torch.ops.segki, torch.zeros(2, dtype=torch.int32, device="cuda")
-    step = lambda: ops.mlp_block(x, res, norm_w, 1e-6, True, wg, wu, wd, barrier)   # noqa: E731
-    graph, out = captured(step)
-    for _ in range(3):
-        x.copy_(randn(2, 1, h, dtype=dtype))
-        res.copy_(randn(2, 1, h, dtype=dtype))
-        graph.replay()
-        normed, new_res = ops.add_rms_norm(x, res, norm_w, 1e-6, True)
-        assert torch.equal(out, ops.linear(ops.gated_mlp_front(normed, wg, wu), wd, None, new_res))
-    assert int(barrier[0]) == 0
-
-
 BAD_INPUT_CALLS = """
 import torch
 from segki_lightning.ops.extension import native_ops
