@@ -193,8 +193,7 @@ def main() -> None:
     header = (f"# Kernel benchmark (bf16, CUDA-graph replays, median)\n\nCopy bandwidth {bw:.0f} GB/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"
-              f"Command: `python benchmarks/kernels.py --out benchmarks/results "
-              f"--batches {' '.join(map(str, args.batches))} --only {' '.join(args.only)}`")
+              f"Command: `python benchmarks/kernels.py {' '.join(sys.argv[1:])}`")
     write_results(args.out, "kernels", rows, cols, header)
     print("\n".join(line for line in (args.out / "kernels.md").read_text().splitlines() if line.startswith("|")))
 
