@@ -119,9 +119,25 @@ def last_error(output: str) -> str:
     return (raised or lines or [""])[-1][:300]
 
 
+def per_rollout(rows: list[dict]) -> list[tuple[float, float]]:
+    """(step time, rollout time) per step, averaged over each rollout and the steps that reuse it
+    (``num_iterations``: only the first of them rolls out), one pair per rollout."""
+    groups: list[list[float]] = []
+    for r in rows:
+        step, rollout = float(r["time/step_s"]), float(r["time/rollout_s"])
+        if rollout > 0 or not groups:
+            groups.append([0.0, 0.0, 0])
+        groups[-1][0] += step
+        groups[-1][1] += rollout
+        groups[-1][2] += 1
+    return [(s / n, r / n) for s, r, n in groups]
+
+
 def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
-    """Over the steps after the first ``warm``: mean step and rollout time per step (the rollout share is their
-    ratio), medians of the throughputs (summed over the ``devices`` ranks; MFU is per GPU)."""
+    """Over the steps after the first ``warm``: the median step and rollout time per step (over rollouts, each
+    with the steps that reuse it; the rollout share is their ratio), so one slow step (a collection, a flush)
+    does not move the share, and the slowest step beside them; medians of the throughputs (summed over the
+    ``devices`` ranks; MFU is per GPU)."""
     with open(run_dir / "logs" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("time/step_s")]
     keep = rows[warm:] or rows
@@ -129,11 +145,11 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
     def med(key: str) -> float:
         return statistics.median(float(r[key]) for r in keep)
 
-    def mean(key: str) -> float:   # time per step (a rollout may serve several steps)
-        return statistics.fmean(float(r[key]) for r in keep)
-
-    step, rollout, train_tok_s = mean("time/step_s"), mean("time/rollout_s"), med("time/train_tokens_per_s")
+    pairs = per_rollout(keep)
+    step, rollout = statistics.median(s for s, _ in pairs), statistics.median(r for _, r in pairs)
+    train_tok_s = med("time/train_tokens_per_s")
     out = dict(steps=len(rows), steps_measured=len(keep), step_s=round(step, 3), rollout_s=round(rollout, 3),
+               slowest_step_s=round(max(float(r["time/step_s"]) for r in keep), 3),
                train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
                mfu_train=round(6 * params * train_tok_s / devices / PEAK_FLOPS, 3),
@@ -195,10 +211,12 @@ def main() -> None:
     cmd = " ".join(sys.argv[1:]).replace(str(args.out), "DIR")
     header = (f"# GRPO recipe, Qwen3.5 shapes (random bf16), G=8, {torch.cuda.get_device_name()}, "
               f"flash-linear-attention {fla}\n\nCommand: `python benchmarks/grpo_gpu.py {cmd}`. Over the steps "
-              f"after the first {args.warm}: mean times per step, median tokens/s (summed over ranks); MFU is the "
+              f"after the first {args.warm}: median times per step (per rollout and the steps reusing it), median "
+              f"tokens/s (summed over ranks); MFU is the "
               "training part's per GPU (6 x parameters x trained tokens / (step - rollout time) / GPUs / 989 TFLOP/s); peak GiB is "
               "the largest per-step peak of allocated GPU memory.")
-    cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "rollout_s", "train_s",
+    cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
+            "rollout_s", "train_s",
             "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "tok_s_vs_off", "tok_s_vs_1gpu",
             "weights_identical", "first_step_s", "completion_len", "clip_ratio_max", "logprob_diff_mean",
             "logprob_diff_max", "kl_sampler_trainer", "error"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,38 @@ def test_compare_curves_reports_differences_and_the_repeat_yardstick(tmp_path):
     assert got["ref_range"] == max(ref) - min(ref)
     rows = json.loads((out / "curves.json").read_text())
     assert [r["loss_other"] for r in rows] == other and [r["loss_repeat"] for r in rows] == repeat
+
+
+def load_script(name: str):
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)   # (its dataclasses look it up there)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grpo_summary_takes_the_median_rollout_so_one_slow_step_does_not_move_the_share(tmp_path):
+    """One training step stalled for seconds (a collection, a flush) must not change the reported step time or
+    rollout share; with ``num_iterations=2`` a rollout's time is spread over the two steps that use it."""
+    grpo = load_script("grpo_gpu")
+    rollouts = [0.6 + 0.01 * torch.rand(()).item() for _ in range(8)]
+    steps = [r + 0.5 for r in rollouts]
+    steps[5] += 3.0                                   # the stall
+    path = tmp_path / "run" / "logs" / "metrics.csv"
+    path.parent.mkdir(parents=True)
+    keys = ["time/step_s", "time/rollout_s", "time/train_tokens_per_s", "rollout/tokens_per_s",
+            "train/completion_length", "rollout/logprob_diff_mean", "rollout/kl_sampler_trainer"]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, ["step", *keys])
+        w.writeheader()
+        for i, (s, r) in enumerate(zip(steps, rollouts)):
+            w.writerow({"step": i, **dict.fromkeys(keys, 1.0), "time/step_s": s, "time/rollout_s": r})
+    got = grpo.summarize(tmp_path / "run", warm=0, params=1, devices=1)
+    assert got["step_s"] == round(statistics.median(steps), 3) and got["rollout_s"] == round(statistics.median(rollouts), 3)
+    assert got["slowest_step_s"] == round(max(steps), 3)
+    assert math.isclose(got["rollout_share"], statistics.median(rollouts) / statistics.median(steps), abs_tol=1e-3)
+    reused = [(s, r if i % 2 == 0 else 0.0) for i, (s, r) in enumerate(zip(steps, rollouts))]   # num_iterations=2
+    pairs = grpo.per_rollout([{"time/step_s": s, "time/rollout_s": r} for s, r in reused])
+    assert pairs == [((reused[i][0] + reused[i + 1][0]) / 2, reused[i][1] / 2) for i in range(0, 8, 2)]
