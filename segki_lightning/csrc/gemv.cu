@@ -133,7 +133,10 @@ __device__ __forceinline__ void mma_stage(const Stage<NACC, U>& s, const T* __re
 // acc[c][NB][4]: C fragments of weight c (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j) over k
 // blocks [kb0, kb1), summed in k order. PIPE: two stages in registers, the next stage's loads in flight while
 // this one's mma run, so a warp never waits on a drained pipe between stages; else one stage at a time
-// (SEGKI_GEMV_PIPE=0, for the A/B). The same sums in the same order either way.
+// (SEGKI_GEMV_PIPE=0, for the A/B). The same sums in the same order either way. The next stage's loads sit
+// behind a (warp-uniform) branch of their own: without it ptxas interleaved them with this stage's mma in the
+// plain kernels (from 5 rows up), after the first mma had waited for this stage's data, which undid the
+// overlap (the SASS order; the gated front, whose order was right, won and the plain kernels lost).
 template <typename T, int NB, int NACC, bool PIPE>
 __device__ __forceinline__ void tile_dot(const T* const (&w)[NACC], int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NACC][NB][4]) {
@@ -150,11 +153,11 @@ __device__ __forceinline__ void tile_dot(const T* const (&w)[NACC], int rows_lef
     return;
   }
   load_stage<T, NACC, U>(s0, w, k, lo_ok, hi_ok, kb0, kend);
-  for (int kb = kb0; kb < kb1; kb += 2 * U) {
-    load_stage<T, NACC, U>(s1, w, k, lo_ok, hi_ok, kb + U, kend);
+  for (int kb = kb0; kb < kb1; kb += 2 * U) {  // a stage is loaded only if it will be used
+    if (kb + U < kb1) load_stage<T, NACC, U>(s1, w, k, lo_ok, hi_ok, kb + U, kend);
     mma_stage<T, NB, NACC, U>(s0, x, m, k, kb, kend, acc);
     if (kb + U >= kb1) break;
-    load_stage<T, NACC, U>(s0, w, k, lo_ok, hi_ok, kb + 2 * U, kend);
+    if (kb + 2 * U < kb1) load_stage<T, NACC, U>(s0, w, k, lo_ok, hi_ok, kb + 2 * U, kend);
     mma_stage<T, NB, NACC, U>(s1, x, m, k, kb + U, kend, acc);
   }
 }
