@@ -281,42 +281,51 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
 // per load instruction (the best DRAM locality); `splits` warps share a row's K when N alone cannot fill
 // the GPU, and their partial sums meet in shared memory.
 constexpr int kWarps = 8;        // warps per block
-constexpr int kSmallUnroll = 4;  // 512-byte row stretches in flight per warp
+constexpr int kSmallUnroll = 4;  // 512-byte stretches of each weight row in flight per warp
 
 struct RowStart {  // cumulative output rows per weight
   int v[kMaxW + 1];
 };
 
-template <typename T, int MAXM>
-__device__ __forceinline__ void row_dot(const T* __restrict__ wrow, const T* __restrict__ x, int m, int k,
-                                        int k0, int k1, float acc[MAXM]) {
+// acc[c][r] = (weight row c . x row r) over columns [k0, k1), warp-summed: each lane takes 8 consecutive columns
+// of every 256. Per round the lane issues the loads of kSmallUnroll stretches of every weight row (the gated
+// front streams gate and up together) before it uses any, so NACC x 2 KB per warp are in flight at once.
+template <typename T, int MAXM, int NACC>
+__device__ __forceinline__ void row_dot(const T* const (&wrow)[NACC], const T* __restrict__ x, int m, int k,
+                                        int k0, int k1, float acc[NACC][MAXM]) {
   const int lane = threadIdx.x & 31;
   for (int kk0 = k0 + lane * 8; kk0 < k1; kk0 += 256 * kSmallUnroll) {
-    uint4 wv[kSmallUnroll];
+    uint4 wv[NACC][kSmallUnroll];
 #pragma unroll
-    for (int u = 0; u < kSmallUnroll; ++u) {
-      const int kk = kk0 + u * 256;
-      wv[u] = kk < k1 ? ld_stream(wrow + kk) : make_uint4(0, 0, 0, 0);
-    }
+    for (int u = 0; u < kSmallUnroll; ++u)
+#pragma unroll
+      for (int c = 0; c < NACC; ++c) {
+        const int kk = kk0 + u * 256;
+        wv[c][u] = kk < k1 ? ld_stream(wrow[c] + kk) : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
     for (int u = 0; u < kSmallUnroll; ++u) {
       const int kk = kk0 + u * 256;
       if (kk >= k1) break;
-      float wf[8];
-      unpack8<T>(wv[u], wf);
 #pragma unroll
       for (int r = 0; r < MAXM; ++r) {
         if (r < m) {
-          float xf[8];
+          float xf[8], wf[8];
           unpack8<T>(ld_cached(x + (size_t)r * k + kk), xf);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[r] = fmaf(wf[i], xf[i], acc[r]);
+          for (int c = 0; c < NACC; ++c) {
+            unpack8<T>(wv[c][u], wf);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[i], xf[i], acc[c][r]);
+          }
         }
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < MAXM; ++r) acc[r] = warp_sum(acc[r]);
+  for (int c = 0; c < NACC; ++c)
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) acc[c][r] = warp_sum(acc[c][r]);
 }
 
 // What warp `warp` of (virtual) block `vb` computes: output `item` (weight `wi`, its row `row`), K part `part`
@@ -370,9 +379,10 @@ __device__ __forceinline__ void small_block(const GemvArgs<T>& a, const RowStart
   const bool active = it.item < small_total<T, EPI>(a, rs);
   float acc[NACC][MAXM] = {};
   if (active) {
-    row_dot<T, MAXM>(a.w[it.wi] + (size_t)it.row * a.k, a.x, a.m, a.k, it.k0, it.k1, acc[0]);
-    if constexpr (EPI == Epilogue::SiluMul)
-      row_dot<T, MAXM>(a.w[1] + (size_t)it.row * a.k, a.x, a.m, a.k, it.k0, it.k1, acc[1]);
+    const T* rows[NACC];
+    rows[0] = a.w[it.wi] + (size_t)it.row * a.k;
+    if constexpr (EPI == Epilogue::SiluMul) rows[NACC - 1] = a.w[1] + (size_t)it.row * a.k;
+    row_dot<T, MAXM, NACC>(rows, a.x, a.m, a.k, it.k0, it.k1, acc);
   }
   if (lane == 0) {
 #pragma unroll
