@@ -79,3 +79,25 @@ def test_grpo_summary_takes_the_median_rollout_so_one_slow_step_does_not_move_th
     reused = [(s, r if i % 2 == 0 else 0.0) for i, (s, r) in enumerate(zip(steps, rollouts))]   # num_iterations=2
     pairs = grpo.per_rollout([{"time/step_s": s, "time/rollout_s": r} for s, r in reused])
     assert pairs == [((reused[i][0] + reused[i + 1][0]) / 2, reused[i][1] / 2) for i in range(0, 8, 2)]
+
+
+def test_sass_order_reads_the_issue_order_and_registers_of_each_gemv_kernel():
+    sass_order = load_script("sass_order")
+    name = "_ZN5segki12_GLOBAL__N_115gemv_mma_kernelI13__nv_bfloat16Li2ELNS0_8EpilogueE0ELb1EEEvNS0_8GemvArgsIT_EEi"
+    small = "_ZN5segki12_GLOBAL__N_117gemv_small_kernelI13__nv_bfloat16Li1ELNS0_8EpilogueE1EEEvNS0_8GemvArgsIT_EE"
+    sass = "\n".join([
+        f"\t\tFunction : {name}",
+        "        /*0100*/  @!P2 LDG.E.NA.128.CONSTANT R8, desc[UR6][R18.64] ;",
+        "        /*0110*/  LDG.E.128.CONSTANT R36, desc[UR6][R48.64] ;",
+        "        /*0120*/  HMMA.16816.F32.BF16 R52, R24, R36, R52 ;",
+        "        /*0130*/  @P0 BRA 0x3ad0 ;",
+        f"\t\tFunction : {small}",
+        "        /*0100*/  LDG.E.NA.128.CONSTANT R8, desc[UR6][R18.64] ;",
+        "        /*0110*/  FFMA R1, R2, R3, R1 ;",
+        "        /*0120*/  SHFL.BFLY PT, R4, R1, 0x10, 0x1f ;",
+        "\t\tFunction : _ZN5segki15rms_norm_kernelEv",
+        "        /*0100*/  LDG.E.128.CONSTANT R8, desc[UR6][R18.64] ;",
+    ])
+    assert sass_order.kernels(sass) == {"mma plain NB=2 pipe=1": "WxM|", "small gated rows<=1": "Wfs"}
+    res = f" Function {name}:\n  REG:128 STACK:0 SHARED:1024\n Function {small}:\n  REG:56 STACK:0\n"
+    assert sass_order.registers(res) == {"mma plain NB=2 pipe=1": 128, "small gated rows<=1": 56}
