@@ -11,7 +11,8 @@
 // and sum their partial tiles through distributed shared memory in split order (deterministic); S grows
 // until the grid fills the GPU several times over, so a small N no longer leaves SMs idle. A warp holds two
 // stages of weight fragments in registers: the next stage's loads are in flight while this one's mma run
-// (measured: 0.8B decode +15 % at 8 rows, +9 % at 16; SEGKI_GEMV_PIPE=0 runs one stage at a time, same bits).
+// (measured at 0c76328: 0.8B decode +15 % at 8 rows, +9 % at 16; SEGKI_GEMV_PIPE=0 runs one stage at a time,
+// same bits).
 #include "common.cuh"
 
 #include <cooperative_groups.h>
