@@ -7,6 +7,8 @@
 #           SEGKI_PDL=0 (plain launch order), SEGKI_GEMV_PREFETCH=0 / -1 (GEMV L2 warm-up none / the whole
 #           K slice; default 2 KB per row), SEGKI_ATTN=batched (decode attention with batched softmax, twice
 #           the splits)
+#   pipe    benchmarks/kernels.py, the GEMV family at 1, 8 and 16 rows, plain and under SEGKI_GEMV_PIPE=0 (the
+#           tensor-core GEMV with one stage of loads in flight instead of two; pipe/{two,one}_stage/kernels.json/md)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
@@ -41,6 +43,14 @@ for stage in "${stages[@]}"; do
                  > "$out/ab/$name.log" 2>&1
                echo "-- $setting"; grep -E "^\| (4b|0.8b)" "$out/ab/$name/kernels.md" | cut -c1-100
              done ;;
+    pipe)    mkdir -p "$out/pipe"
+             for run in "two_stage SEGKI_GEMV_PIPE=1" "one_stage SEGKI_GEMV_PIPE=0"; do
+               set -- $run
+               env "$2" python3 benchmarks/kernels.py --out "$out/pipe/$1" --batches 1 8 16 --only proj \
+                 > "$out/pipe/$1.log" 2>&1 || tail -5 "$out/pipe/$1.log"
+             done
+             paste -d'|' <(grep -E "^\| (4b|0.8b)" "$out/pipe/two_stage/kernels.md" | cut -d'|' -f2-8) \
+               <(grep -E "^\| (4b|0.8b)" "$out/pipe/one_stage/kernels.md" | cut -d'|' -f6-8) ;;
     decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
              tail -32 "$out/decode.log" | cut -c1-160 ;;
     profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;
