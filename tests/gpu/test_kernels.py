@@ -312,37 +312,39 @@ def test_gdn_in_proj_conv_equals_the_unfused_native_ops_exactly(shape, batch, dt
 PIPE_CALLS = """
 import sys, torch
 from segki_lightning.ops.extension import native_ops
-ops, (x, ws) = native_ops(), torch.load(sys.argv[1])
-x, ws = x.cuda(), [w.cuda() for w in ws]
-outs = [ops.gated_mlp_front(x, *ws)] if len(ws) == 2 else list(ops.gdn_in_proj(x, *ws)) if len(ws) == 4 else [
-    ops.linear(x, ws[0], None, None)]
-torch.save([o.cpu() for o in outs], sys.argv[2])
+ops, outs = native_ops(), []
+for x, ws in torch.load(sys.argv[1]):
+    x, ws = x.cuda(), [w.cuda() for w in ws]
+    outs.append([ops.gated_mlp_front(x, *ws)] if len(ws) == 2 else list(ops.gdn_in_proj(x, *ws)) if len(ws) == 4
+                else [ops.linear(x, ws[0], None, None)])
+torch.save([[o.cpu() for o in out] for out in outs], sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("batch", [5, 16, 33, 64])
-@pytest.mark.parametrize("shape", ["4b_gate_up", "08b_gdn_in", "4b_o_proj", "odd_long_k"])
-def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(shape, batch, tmp_path):
+def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
     """The tensor-core GEMV's two register stages (the next k blocks' loads in flight during this stage's mma)
     sum the same products in the same order as one stage at a time (``SEGKI_GEMV_PIPE=0``, a process-wide
-    switch: run in a child process): the outputs are bit-identical."""
+    switch: each setting runs in a child process): the outputs are bit-identical, for 5-64 rows of the gated
+    front, the GDN input projection, a single projection and an odd shape with a partial last k block."""
     import os
     import subprocess
     import sys
 
-    k, ns = PROJ_SHAPES[shape]
-    x = randn(batch, k, dtype=torch.bfloat16)
-    ws = [randn(n, k, dtype=torch.bfloat16, scale=k**-0.5) for n in ns]   # 2: gate/up, 4: GDN input, 1: linear
-    torch.save((x.cpu(), [w.cpu() for w in ws]), tmp_path / "inputs.pt")
+    cases = [(randn(batch, PROJ_SHAPES[shape][0], dtype=torch.bfloat16).cpu(),
+              [randn(n, PROJ_SHAPES[shape][0], dtype=torch.bfloat16, scale=PROJ_SHAPES[shape][0] ** -0.5).cpu()
+               for n in PROJ_SHAPES[shape][1]])   # 2 weights: gate/up, 4: GDN input, 1: linear
+             for shape in ("4b_gate_up", "08b_gdn_in", "4b_o_proj", "odd_long_k") for batch in (5, 16, 33, 64)]
+    torch.save(cases, tmp_path / "inputs.pt")
     script = tmp_path / "pipe.py"
     script.write_text(PIPE_CALLS)
     outs = {}
     for pipe in ("1", "0"):
         subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{pipe}.pt")],
-                       check=True, env={**os.environ, "SEGKI_GEMV_PIPE": pipe}, timeout=300)
+                       check=True, env={**os.environ, "SEGKI_GEMV_PIPE": pipe}, timeout=600)
         outs[pipe] = torch.load(tmp_path / f"out{pipe}.pt")
-    for a, b in zip(outs["1"], outs["0"], strict=True):
-        assert not torch.isnan(a).any() and torch.equal(a, b)
+    for two, one in zip(outs["1"], outs["0"], strict=True):
+        for a, b in zip(two, one, strict=True):
+            assert not torch.isnan(a).any() and torch.equal(a, b)
 
 
 BAD_INPUT_CALLS = """
