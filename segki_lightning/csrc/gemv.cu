@@ -137,7 +137,8 @@ __device__ __forceinline__ void mma_stage(const Stage<NACC, U>& s, const T* __re
 // (SEGKI_GEMV_PIPE=0, for the A/B). The same sums in the same order either way. The next stage's loads sit
 // behind a (warp-uniform) branch of their own: without it ptxas interleaved them with this stage's mma in the
 // plain kernels (from 5 rows up), after the first mma had waited for this stage's data, which undid the
-// overlap (the SASS order; the gated front, whose order was right, won and the plain kernels lost).
+// overlap (the SASS order; the gated front, whose order was right, won on every shape, the plain kernel lost
+// on the GDN input projection and qkv at 16 rows).
 template <typename T, int NB, int NACC, bool PIPE>
 __device__ __forceinline__ void tile_dot(const T* const (&w)[NACC], int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NACC][NB][4]) {
