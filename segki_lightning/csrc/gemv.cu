@@ -309,17 +309,24 @@ __device__ __forceinline__ void row_dot(const T* const (&wrow)[NACC], const T* _
     for (int u = 0; u < kSmallUnroll; ++u) {
       const int kk = kk0 + u * 256;
       if (kk >= k1) break;
+      // the stretch's x of every row, then each weight unpacked once: this order keeps every weight load ahead
+      // of the first FMA in all six kernels with no spill (unpacking per row spilled in the gated 4-row kernel,
+      // unpacking before the x loads let ptxas sink the plain kernels' loads again)
+      uint4 xv[MAXM];
+#pragma unroll
+      for (int r = 0; r < MAXM; ++r) xv[r] = r < m ? ld_cached(x + (size_t)r * k + kk) : make_uint4(0, 0, 0, 0);
+      float wf[NACC][8];
+#pragma unroll
+      for (int c = 0; c < NACC; ++c) unpack8<T>(wv[c][u], wf[c]);
 #pragma unroll
       for (int r = 0; r < MAXM; ++r) {
         if (r < m) {
-          float xf[8], wf[8];
-          unpack8<T>(ld_cached(x + (size_t)r * k + kk), xf);
+          float xf[8];
+          unpack8<T>(xv[r], xf);
 #pragma unroll
-          for (int c = 0; c < NACC; ++c) {
-            unpack8<T>(wv[c][u], wf);
+          for (int c = 0; c < NACC; ++c)
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[i], xf[i], acc[c][r]);
-          }
+            for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[c][i], xf[i], acc[c][r]);
         }
       }
     }
