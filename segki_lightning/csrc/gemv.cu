@@ -421,10 +421,16 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
   small_block<T, MAXM, EPI>(a, rs, splits, blockIdx.x, red);
 }
 
-// K parts per output row of the CUDA-core path: double while the grid is below 8192 warps.
-inline int small_splits(int total_rows) {
+// K parts per output row of the CUDA-core path: double while the grid is below 8192 warps and every part keeps
+// a full round of kSmallUnroll 512-byte stretches per weight row. A warp's share of HBM requests is its loads in
+// flight: splitting a 0.8B row (K 1024-3584) down to one or two stretches per warp held the one-row GEMVs to
+// 19-39 % of copy bandwidth against 55 % with four (`gemv_pipe/at_c2dba80/`). The 4B shapes split as before.
+// SEGKI_GEMV_SMALL_ROUND=0 drops the stretch condition (the earlier rule), for the A/B.
+inline int small_splits(int total_rows, int k) {
+  static const int min_stretches = env_is("SEGKI_GEMV_SMALL_ROUND", "0") ? 0 : kSmallUnroll;
+  const int stretches = (k + 255) / 256;
   int splits = 1;
-  while (splits < kWarps && total_rows * splits < 8192) splits *= 2;
+  while (splits < kWarps && total_rows * splits < 8192 && stretches / (2 * splits) >= min_stretches) splits *= 2;
   return splits;
 }
 
@@ -440,7 +446,7 @@ constexpr int kMaxSmallRows = 4;
 template <typename T, Epilogue EPI>
 void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int splits = small_splits(total_rows);
+  const int splits = small_splits(total_rows, a.k);
   const int blocks = small_blocks(total_rows, splits);
 #define SEGKI_SMALL_CASE(M)                                                                        \
   if (a.m <= M) {                                                                                 \
@@ -460,24 +466,28 @@ int choose_splits(int groups, int kblocks) {
   return splits;
 }
 
+// Two register stages, except where one measured faster: the GDN input projection (four weights, two of them
+// one row per head) at 9-16 rows, on both models (4B 24.4 against 30.6 us, 0.8B 11.1 against 14.1 at 16 rows;
+// `gemv_pipe/at_c2dba80/`; why is not established). SEGKI_GEMV_PIPE=0: one stage everywhere, for the A/B.
 template <typename T, int NB, Epilogue EPI>
-void launch_mma(const GemvArgs<T>& a, int groups, int splits, cudaStream_t stream) {
+void launch_mma(const GemvArgs<T>& a, int groups, int splits, bool one_stage_9_to_16, cudaStream_t stream) {
   constexpr int smem = part_bytes<NB, EPI>();
   static_assert(smem <= 48 * 1024, "the split-K partial tiles must fit the default dynamic shared memory");
-  static const bool pipe = !env_is("SEGKI_GEMV_PIPE", "0");
+  static const bool pipe_default = !env_is("SEGKI_GEMV_PIPE", "0");
+  const bool pipe = pipe_default && !(one_stage_9_to_16 && NB == 2);
   launch_pdl_smem(pipe ? gemv_mma_kernel<T, NB, EPI, true> : gemv_mma_kernel<T, NB, EPI, false>,
                   dim3(groups, splits), dim3(kTileWarps * 32), smem, stream, dim3(1, splits, 1), a, splits);
 }
 
 template <typename T, Epilogue EPI>
-void launch_tiles(const GemvArgs<T>& a, int tiles) {
+void launch_tiles(const GemvArgs<T>& a, int tiles, bool one_stage_9_to_16) {
   const int groups = (tiles + kTileWarps - 1) / kTileWarps;
   const int splits = choose_splits(groups, (a.k + 31) / 32);
   auto stream = at::cuda::getCurrentCUDAStream();
-#define SEGKI_GEMV_CASE(NB)                                  \
-  if (a.m <= NB * 8) {                                      \
-    launch_mma<T, NB, EPI>(a, groups, splits, stream);      \
-    return;                                                 \
+#define SEGKI_GEMV_CASE(NB)                                               \
+  if (a.m <= NB * 8) {                                                   \
+    launch_mma<T, NB, EPI>(a, groups, splits, one_stage_9_to_16, stream); \
+    return;                                                              \
   }
   SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)
 #undef SEGKI_GEMV_CASE
@@ -493,7 +503,7 @@ struct ConvArgs {  // gdn_in_proj_conv's conv, applied to weight 0's outputs
 std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vector<at::Tensor> ws,
                                  std::vector<c10::optional<at::Tensor>> biases, Epilogue epi,
                                  const c10::optional<at::Tensor>& residual = c10::nullopt,
-                                 const ConvArgs* conv = nullptr) {
+                                 const ConvArgs* conv = nullptr, bool one_stage_9_to_16 = false) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   const int64_t k = x.size(-1);
   TORCH_CHECK(k % 8 == 0, op, ": the input width ", k, " must be a multiple of 8 (16-byte loads)");
@@ -564,10 +574,10 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       const bool small = a.m <= kMaxSmallRows;
       if (epi == Epilogue::SiluMul) {
         if (small) launch_small<T, Epilogue::SiluMul>(a, rs, a.n[0]);
-        else launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1]);
+        else launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1], one_stage_9_to_16);
       } else {
         if (small) launch_small<T, Epilogue::Plain>(a, rs, rs.v[a.nw]);
-        else launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw]);
+        else launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw], one_stage_9_to_16);
       }
     }
   });
@@ -594,7 +604,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_proj(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj(
     const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa) {
-  auto o = run_gemv("segki::gdn_in_proj", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain);
+  auto o = run_gemv("segki::gdn_in_proj", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, nullptr, true);
   return {o[0], o[1], o[2], o[3]};
 }
 
@@ -604,7 +614,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj_conv(
     const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa,
     at::Tensor& conv_state, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias) {
   const ConvArgs conv{&conv_state, &conv_weight, &conv_bias};
-  auto o = run_gemv("segki::gdn_in_proj_conv", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, &conv);
+  auto o = run_gemv("segki::gdn_in_proj_conv", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, &conv, true);
   return {o[0], o[1], o[2], o[3]};
 }
 

@@ -24,8 +24,10 @@ PROJ_SHAPES = {
     "4b_gate_up": (2560, [9216, 9216]), "4b_gdn_in": (2560, [8192, 4096, 32, 32]),
     "4b_qkv": (2560, [8192, 1024, 1024]), "4b_o_proj": (4096, [2560]), "4b_down": (9216, [2560]),
     "08b_gate_up": (1024, [3584, 3584]), "08b_gdn_in": (1024, [6144, 2048, 16, 16]),
-    "08b_qkv": (1024, [4096, 512, 512]), "odd": (72, [37, 5, 3, 11]),
-    "odd_long_k": (4104, [37, 5, 3, 11]),  # a partial last k block, tiles across weights, 8 K slices
+    "08b_qkv": (1024, [4096, 512, 512]), "08b_down": (3584, [1024]), "odd": (72, [37, 5, 3, 11]),
+    # a partial last k block, tiles across weights, 8 K slices on both paths (the CUDA-core path's last slice
+    # empty: 8200 columns in slices of 1280)
+    "odd_long_k": (8200, [37, 5, 3, 11]),
 }
 
 
