@@ -18,6 +18,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <climits>
 
 namespace segki {
 namespace {
@@ -42,6 +43,7 @@ struct GemvArgs {
   int n[kMaxW];
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
   int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
+  int prefetch_blocks;        // blocks (in launch order) that warm L2: the first wave, see first_wave_blocks
   const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
   // Gated-DeltaNet conv in the epilogue of weight 0 (gdn_in_proj_conv), or conv_state == nullptr: each output
   // channel is owned by one thread, which shifts its conv state and stores SiLU(conv) instead of the value.
@@ -51,8 +53,8 @@ struct GemvArgs {
   int conv_width;
 };
 
-// Before the PDL wait each block warms the first kPrefetchBytes of each of its weight rows' K slice into L2
-// (measured on the H200, 4B shape, b=1: 2 KB gives 77-88 % of copy bandwidth on the input projections against
+// Before the PDL wait each block of the first wave warms the first kPrefetchBytes of each of its weight rows'
+// K slice into L2 (measured on the H200, 4B shape, b=1: 2 KB gives 77-88 % of copy bandwidth on the input projections against
 // 66-70 % for the whole slice and 74-86 % for none; decode 288 -> 315 tok/s, 0.8B unchanged).
 // SEGKI_GEMV_PREFETCH=<bytes> sets another amount (0: none, -1: the whole slice), for measurements.
 constexpr long kPrefetchBytes = 2048;
@@ -66,6 +68,22 @@ inline int prefetch_cols(size_t elem_size) {
 }
 
 __device__ __forceinline__ int prefetch_end(int c0, int c1, int cols) { return cols < 0 ? c1 : min(c1, c0 + cols); }
+
+// Blocks of `Kernel` resident at once on the device (its first wave). Only these can start beside the previous
+// kernel under PDL, so only they warm L2 before the wait: a later block starts after a block of this kernel
+// has passed the wait, and its warm-up would only add a second request for each line its loads ask for next
+// (measured at 2bf991c: the 0.8B lm_head, 31 040 blocks, took 142 us warming 2 KB per row in every block,
+// 125 us warming none). SEGKI_GEMV_PREFETCH_WAVES=all warms in every block, for the A/B.
+template <auto Kernel>
+int first_wave_blocks(int threads, int smem) {
+  static const int blocks = [&] {
+    if (env_is("SEGKI_GEMV_PREFETCH_WAVES", "all")) return INT_MAX;
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem));
+    return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  }();
+  return blocks;
+}
 
 template <typename T>
 __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -227,7 +245,8 @@ __global__ void __launch_bounds__(kTileWarps * 32) gemv_mma_kernel(const GemvArg
   const int rows_left = a.n[wi] - row0, k_lo = kb0 * 32, kend = min(a.k, kb1 * 32);
 
   pdl_launch_dependents();
-  if (tile < total_tiles) {  // weights only (never written by a kernel of the step): start on them, then wait
+  // weights only (never written by a kernel of the step): start on them, then wait
+  if (tile < total_tiles && (int)(blockIdx.x * gridDim.y + blockIdx.y) < a.prefetch_blocks) {
     const int r = min(16, rows_left), c1 = prefetch_end(k_lo, kend, a.prefetch_cols);
     prefetch_rows_l2(w0, r, a.k, k_lo, c1);
     if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(w1, r, a.k, k_lo, c1);
@@ -367,12 +386,14 @@ __device__ __forceinline__ int small_total(const GemvArgs<T>& a, const RowStart&
   return EPI == Epilogue::SiluMul ? a.n[0] : rs.v[a.nw];
 }
 
-// The warp's weight rows of block `vb`, warmed into L2 (weights only: safe before the PDL wait).
+// The warp's weight rows of block `vb`, warmed into L2 if the block is in the first wave (weights only: safe
+// before the PDL wait).
 template <typename T, Epilogue EPI>
 __device__ __forceinline__ void small_prefetch(const GemvArgs<T>& a, const RowStart& rs, int splits, int vb) {
   const SmallItem it = small_item<T, EPI>(a, rs, splits, vb, threadIdx.x >> 5);
   if (it.item >= small_total<T, EPI>(a, rs)) return;
-  const int k1p = prefetch_end(it.k0, it.k1, a.prefetch_cols);
+  // (an empty range past the first wave, not an early return: the branch spilled in the gated 4-row kernel)
+  const int k1p = vb < a.prefetch_blocks ? prefetch_end(it.k0, it.k1, a.prefetch_cols) : it.k0;
   prefetch_rows_l2(a.w[it.wi] + (size_t)it.row * a.k, 1, a.k, it.k0, k1p);
   if constexpr (EPI == Epilogue::SiluMul) prefetch_rows_l2(a.w[1] + (size_t)it.row * a.k, 1, a.k, it.k0, k1p);
 }
@@ -416,7 +437,8 @@ template <typename T, int MAXM, Epilogue EPI>
 __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<T> a, const RowStart rs, int splits) {
   __shared__ float red[kWarps][EPI == Epilogue::SiluMul ? 2 : 1][MAXM];
   pdl_launch_dependents();
-  small_prefetch<T, EPI>(a, rs, splits, blockIdx.x);  // weights only: warm L2 while the previous kernel finishes
+  // weights only: warm L2 while the previous kernel finishes
+  small_prefetch<T, EPI>(a, rs, splits, blockIdx.x);
   pdl_wait();
   small_block<T, MAXM, EPI>(a, rs, splits, blockIdx.x, red);
 }
@@ -448,10 +470,12 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   auto stream = at::cuda::getCurrentCUDAStream();
   const int splits = small_splits(total_rows, a.k);
   const int blocks = small_blocks(total_rows, splits);
-#define SEGKI_SMALL_CASE(M)                                                                        \
-  if (a.m <= M) {                                                                                 \
-    launch_pdl(gemv_small_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), stream, dim3(1), a, rs, splits); \
-    return;                                                                                       \
+#define SEGKI_SMALL_CASE(M)                                                                         \
+  if (a.m <= M) {                                                                                  \
+    GemvArgs<T> b = a;                                                                             \
+    b.prefetch_blocks = first_wave_blocks<gemv_small_kernel<T, M, EPI>>(kWarps * 32, 0);           \
+    launch_pdl(gemv_small_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), stream, dim3(1), b, rs, splits); \
+    return;                                                                                        \
   }
   SEGKI_SMALL_CASE(1) SEGKI_SMALL_CASE(2) SEGKI_SMALL_CASE(4)
 #undef SEGKI_SMALL_CASE
@@ -475,8 +499,11 @@ void launch_mma(const GemvArgs<T>& a, int groups, int splits, bool one_stage_9_t
   static_assert(smem <= 48 * 1024, "the split-K partial tiles must fit the default dynamic shared memory");
   static const bool pipe_default = !env_is("SEGKI_GEMV_PIPE", "0");
   const bool pipe = pipe_default && !(one_stage_9_to_16 && NB == 2);
+  GemvArgs<T> b = a;
+  b.prefetch_blocks = pipe ? first_wave_blocks<gemv_mma_kernel<T, NB, EPI, true>>(kTileWarps * 32, smem)
+                           : first_wave_blocks<gemv_mma_kernel<T, NB, EPI, false>>(kTileWarps * 32, smem);
   launch_pdl_smem(pipe ? gemv_mma_kernel<T, NB, EPI, true> : gemv_mma_kernel<T, NB, EPI, false>,
-                  dim3(groups, splits), dim3(kTileWarps * 32), smem, stream, dim3(1, splits, 1), a, splits);
+                  dim3(groups, splits), dim3(kTileWarps * 32), smem, stream, dim3(1, splits, 1), b, splits);
 }
 
 template <typename T, Epilogue EPI>
