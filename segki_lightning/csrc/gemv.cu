@@ -18,7 +18,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <climits>
 
 namespace segki {
 namespace {
@@ -72,12 +71,11 @@ __device__ __forceinline__ int prefetch_end(int c0, int c1, int cols) { return c
 // Blocks of `Kernel` resident at once on the device (its first wave). Only these can start beside the previous
 // kernel under PDL, so only they warm L2 before the wait: a later block starts after a block of this kernel
 // has passed the wait, and its warm-up would only add a second request for each line its loads ask for next
-// (measured at 2bf991c: the 0.8B lm_head, 31 040 blocks, took 142 us warming 2 KB per row in every block,
-// 125 us warming none). SEGKI_GEMV_PREFETCH_WAVES=all warms in every block, for the A/B.
+// (`small_splits/`: the 0.8B lm_head 160.7 -> 145.7 us at one row, 195.3 -> 152.5 at 16; the 4B o_proj
+// 9.27 -> 8.48 us at one row).
 template <auto Kernel>
 int first_wave_blocks(int threads, int smem) {
   static const int blocks = [&] {
-    if (env_is("SEGKI_GEMV_PREFETCH_WAVES", "all")) return INT_MAX;
     int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem));
     return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -446,13 +444,13 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
 // K parts per output row of the CUDA-core path: double while the grid is below 8192 warps and every part keeps
 // a full round of kSmallUnroll 512-byte stretches per weight row. A warp's share of HBM requests is its loads in
 // flight: splitting a 0.8B row (K 1024-3584) down to one or two stretches per warp held the one-row GEMVs to
-// 19-39 % of copy bandwidth against 55 % with four (`gemv_pipe/at_c2dba80/`). The 4B shapes split as before.
-// SEGKI_GEMV_SMALL_ROUND=0 drops the stretch condition (the earlier rule), for the A/B.
+// 19-39 % of copy bandwidth against 55 % with four (`gemv_pipe/at_c2dba80/`); with a full round they reach
+// 30-61 % and 0.8B decode b=1 904 -> 1022 tok/s, b=4 2647 -> 3282 (`small_splits/`). The 4B shapes split as
+// before.
 inline int small_splits(int total_rows, int k) {
-  static const int min_stretches = env_is("SEGKI_GEMV_SMALL_ROUND", "0") ? 0 : kSmallUnroll;
   const int stretches = (k + 255) / 256;
   int splits = 1;
-  while (splits < kWarps && total_rows * splits < 8192 && stretches / (2 * splits) >= min_stretches) splits *= 2;
+  while (splits < kWarps && total_rows * splits < 8192 && stretches / (2 * splits) >= kSmallUnroll) splits *= 2;
   return splits;
 }
 
