@@ -11,8 +11,8 @@
 // and sum their partial tiles through distributed shared memory in split order (deterministic); S grows
 // until the grid fills the GPU several times over, so a small N no longer leaves SMs idle. A warp holds two
 // stages of weight fragments in registers: the next stage's loads are in flight while this one's mma run
-// (measured at 0c76328: 0.8B decode +15 % at 8 rows, +9 % at 16; SEGKI_GEMV_PIPE=0 runs one stage at a time,
-// same bits).
+// (measured at 0c76328: 0.8B decode +15 % at 8 rows, +9 % at 16). The GDN input projection runs one stage at
+// 9-16 rows, where that measured faster (launch_mma); SEGKI_GEMV_PIPE=0 runs one stage everywhere, same bits.
 #include "common.cuh"
 
 #include <cooperative_groups.h>
@@ -53,8 +53,8 @@ struct GemvArgs {
 };
 
 // Before the PDL wait each block of the first wave warms the first kPrefetchBytes of each of its weight rows'
-// K slice into L2 (measured on the H200, 4B shape, b=1: 2 KB gives 77-88 % of copy bandwidth on the input projections against
-// 66-70 % for the whole slice and 74-86 % for none; decode 288 -> 315 tok/s, 0.8B unchanged).
+// K slice into L2 (measured on the H200, 4B shape, b=1: 2 KB gives 77-88 % of copy bandwidth on the input
+// projections against 66-70 % for the whole slice and 74-86 % for none; decode 288 -> 315 tok/s, 0.8B unchanged).
 // SEGKI_GEMV_PREFETCH=<bytes> sets another amount (0: none, -1: the whole slice), for measurements.
 constexpr long kPrefetchBytes = 2048;
 
