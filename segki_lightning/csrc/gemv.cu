@@ -665,7 +665,8 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   check_cuda_half(up, op, "up", gate.scalar_type());
   TORCH_CHECK(gate.sizes() == up.sizes(), op, ": gate ", gate.sizes(), " and up ", up.sizes(), " differ");
   TORCH_CHECK(gate.numel() % 8 == 0, op, ": element count ", gate.numel(), " must be a multiple of 8");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16 == 0 && reinterpret_cast<uintptr_t>(up.data_ptr()) % 16 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(up.data_ptr()) % 16 == 0,
               op, ": gate and up must start on 16-byte boundaries (16-byte loads)");
   auto out = at::empty_like(gate);
   const int64_t n8 = gate.numel() / 8;
