@@ -13,6 +13,13 @@
 namespace segki {
 namespace {
 
+// Every thread of the cluster arrives (release) and waits (acquire): cooperative_groups' cluster.sync() as
+// inline PTX, which ptxas keeps in line (cg's compiled to a subroutine call here, and the registers live
+// across a call spilled in the Dk = 256 kernel).
+__device__ __forceinline__ void cluster_barrier() {
+  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
 template <typename T>
 __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_state, const T* __restrict__ w,
                                 const T* __restrict__ bias, T* __restrict__ mixed, int c_total, int width) {
@@ -49,6 +56,15 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
 #pragma unroll
   for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
   const T* row = mixed + (size_t)b * c_total;
+  // every other read of the step requested now too: behind the block and cluster barriers below each was a
+  // round trip of its own (ptxas does not move loads across them)
+  const T v_raw = row[2 * hk * DK + h * dv + j];
+  const T a_raw = agate[(size_t)b * hv + h], b_raw = bgate[(size_t)b * hv + h];
+  auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
+    return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
+  };
+  const float dt_b = param(dt_bias), a_lg = param(a_log);
+  const T z_raw = z[((size_t)b * hv + h) * dv + j], nw_raw = norm_w[j];
   float qq = 0.f, kk = 0.f;
   for (int i = threadIdx.x; i < DK; i += 128) {
     const float qv = to_float<T>(row[kh * DK + i]);
@@ -60,13 +76,10 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   }
   const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
   const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
-  const float v = to_float<T>(row[2 * hk * DK + h * dv + j]);
-  auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
-    return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
-  };
-  const float x = to_float<T>(agate[(size_t)b * hv + h]) + param(dt_bias);
-  const float g = -expf(param(a_log)) * (x > 20.f ? x : log1pf(expf(x)));
-  const float beta = round_to<T>(sigmoid(to_float<T>(bgate[(size_t)b * hv + h])));
+  const float v = to_float<T>(v_raw);
+  const float x = to_float<T>(a_raw) + dt_b;
+  const float g = -expf(a_lg) * (x > 20.f ? x : log1pf(expf(x)));
+  const float beta = round_to<T>(sigmoid(to_float<T>(b_raw)));
   const float decay = expf(g);
 
   float part = 0.f;
@@ -83,7 +96,6 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     s[i] += sk[ty * R + i] * k_scale * delta;
-    st[(size_t)i * dv] = s[i];
     part += s[i] * (sq[ty * R + i] * q_scale);
   }
   red[ty][jl] = part;
@@ -93,14 +105,18 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const float w = warp_sum(o * o);
     if (jl == 0) sq_part = w;
   }
-  cluster.sync();
+  cluster_barrier();
   float total = 0.f;
   for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, r);
-  cluster.sync();  // peers' shared memory stays alive until every block has read it
+  cluster_barrier();  // peers' shared memory stays alive until every block has read it
+  // the new state is stored only now: each cluster barrier above fences memory GPU-wide (MEMBAR.ALL.GPU in the
+  // SASS), and stores still in flight there would hold every warp of the cluster at it
+#pragma unroll
+  for (int i = 0; i < R; ++i) st[(size_t)i * dv] = s[i];
   if (ty == 0) {
     const float n = round_to<T>(o * rsqrtf(total / dv + eps));
-    const float t = round_to<T>(to_float<T>(norm_w[j]) * n);
-    const float zz = to_float<T>(z[((size_t)b * hv + h) * dv + j]);
+    const float t = round_to<T>(to_float<T>(nw_raw) * n);
+    const float zz = to_float<T>(z_raw);
     out[((size_t)b * hv + h) * dv + j] = from_float<T>(t * silu(zz));
   }
 }
