@@ -9,7 +9,12 @@ separated by
   kernel is (each waits for the previous one before it reads);
 - ``launch``: the same without PDL;
 - ``barrier``: one kernel, a hand-rolled grid barrier (an arrival counter) between phases;
-- ``grid.sync``: one cooperative kernel, cooperative groups' grid barrier between phases.
+- ``grid.sync``: one cooperative kernel, cooperative groups' grid barrier between phases;
+- ``bulk + barrier``: the ``barrier`` kernel with each block's share streamed into shared memory by the copy
+  engine (``cp.async.bulk``) through a ring of 4 x 32 KB slots, issued as slots free up whatever the phase: the
+  next phase's first chunks are in flight while the block waits at the barrier, as a persistent decode kernel
+  could stream its next weights while it waits for the activations they multiply;
+- ``bulk + grid.sync``: the same with cooperative groups' grid barrier.
 
 All inside a captured CUDA graph, one block per SM, 256 threads. Reports microseconds per phase, the part above
 the bytes' time at copy bandwidth, and the GB/s reached. Writes ``launch_vs_barrier.json/md``.
@@ -26,7 +31,7 @@ import torch
 from common import copy_bandwidth_gbps, graph_time_us, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("launch + PDL", "launch", "barrier", "grid.sync")
+VARIANTS = ("launch + PDL", "launch", "barrier", "bulk + barrier", "grid.sync", "bulk + grid.sync")
 
 
 def build() -> None:
@@ -48,6 +53,9 @@ def measure(variant: str, phases: int, size: int, blocks: int) -> float:
     bar = torch.zeros(2, dtype=torch.int32, device="cuda")
     if variant.startswith("launch"):
         fns = [lambda b=b: ops.launches(b, phases, blocks, variant == "launch + PDL", sink) for b in bufs]
+    elif variant.startswith("bulk"):
+        fns = [lambda b=b: ops.persistent_bulk(b, phases, blocks, variant.endswith("grid.sync"), bar, sink)
+               for b in bufs]
     else:
         fns = [lambda b=b: ops.persistent(b, phases, blocks, variant == "grid.sync", bar, sink) for b in bufs]
     return graph_time_us(fns, calls=8) / phases
@@ -66,7 +74,7 @@ def main() -> None:
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth_gbps()
     rows = []
-    for variant in VARIANTS:   # the cooperative launch last: a capture it fails must not cost the others
+    for variant in VARIANTS:   # the cooperative launches last: a capture they fail must not cost the others
         for size in args.sizes:
             row = dict(variant=variant, bytes_per_phase=size, phases=args.phases, blocks=blocks)
             try:
