@@ -248,19 +248,31 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
   const int kvh = h - hq;
   const T* src = is_q ? q + ((size_t)b * hq + h) * q_head_stride : k + ((size_t)b * hkv + kvh) * D;
   const T* w = is_q ? q_w : k_w;
-  float f[E];
+  const T* vr = v + ((size_t)b * hkv + kvh) * D;
+  // Every read is requested up front: the norm weight, the rotary tables, the position and the value row no
+  // longer wait for the statistics, the shared-memory exchange or each other (a chain of four round trips
+  // before, in the SASS). The value row is only pulled into L1 here: held in registers it spilled (fp16, D=256).
+  if (!is_q) asm volatile("prefetch.global.L1 [%0];" ::"l"(vr + lane * E));
+  float f[E], wf[E] = {}, c[E] = {}, sn[E] = {};
 #pragma unroll
-  for (int e = 0; e < E; ++e) f[e] = to_float<T>(src[lane * E + e]);
+  for (int e = 0; e < E; ++e) {
+    const int i = lane * E + e;
+    f[e] = to_float<T>(src[i]);
+    if (w != nullptr) wf[e] = to_float<T>(w[i]);
+    if (i < r) {
+      c[e] = to_float<T>(cos[(size_t)b * r + i]);
+      sn[e] = to_float<T>(sin[(size_t)b * r + i]);
+    }
+  }
+  const int64_t pos = is_q ? 0 : positions[b];
   if (w != nullptr) {  // per-head RMSNorm, fp32 statistics
     float ss = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) ss += f[e] * f[e];
     const float inv = rsqrtf(warp_sum(ss) / D + eps);
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const float wf = to_float<T>(w[lane * E + e]);
-      f[e] = unit_offset ? round_to<T>(f[e] * inv * (1.f + wf)) : round_to<T>(wf * round_to<T>(f[e] * inv));
-    }
+    for (int e = 0; e < E; ++e)
+      f[e] = unit_offset ? round_to<T>(f[e] * inv * (1.f + wf[e])) : round_to<T>(wf[e] * round_to<T>(f[e] * inv));
   }
 #pragma unroll
   for (int e = 0; e < E; ++e) feat[warp][lane * E + e] = f[e];
@@ -270,9 +282,8 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
   for (int e = 0; e < E; ++e) {  // rotate-half RoPE on features [0, r)
     const int i = lane * E + e;
     if (i < r) {
-      const float c = to_float<T>(cos[(size_t)b * r + i]), s = to_float<T>(sin[(size_t)b * r + i]);
       const float other = i < half ? -feat[warp][i + half] : feat[warp][i - half];
-      f[e] = round_to<T>(round_to<T>(__fmul_rn(f[e], c)) + round_to<T>(__fmul_rn(other, s)));
+      f[e] = round_to<T>(round_to<T>(__fmul_rn(f[e], c[e])) + round_to<T>(__fmul_rn(other, sn[e])));
     }
   }
   if (is_q) {
@@ -280,14 +291,15 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
     for (int e = 0; e < E; ++e) query[((size_t)b * hq + h) * D + lane * E + e] = from_float<T>(f[e]);
     return;
   }
-  const int64_t pos = positions[b];
   if (pos < 0 || pos >= s_max) return;  // the caller keeps positions inside the cache
+  T vv[E];  // L1 hits, all requested before the first store
+#pragma unroll
+  for (int e = 0; e < E; ++e) vv[e] = vr[lane * E + e];
   const size_t dst = (((size_t)b * hkv + kvh) * s_max + pos) * D;
-  const T* vr = v + ((size_t)b * hkv + kvh) * D;
 #pragma unroll
   for (int e = 0; e < E; ++e) {
     kc[dst + lane * E + e] = from_float<T>(f[e]);
-    vc[dst + lane * E + e] = vr[lane * E + e];
+    vc[dst + lane * E + e] = vv[e];
   }
 }
 
