@@ -210,6 +210,21 @@ __device__ __forceinline__ void store_out(const GemvArgs<T>& a, int wi, int row,
   a.out[wi][o] = from_float<T>(v);
 }
 
+// What store_out will read for output (row, col) of weight wi -- bias, residual, weight 0's conv state, weights
+// and bias -- pulled into L1 ahead of the dot product, so the epilogue after the reduction's barrier hits L1
+// instead of paying a round trip to memory at the end of the kernel. Only the addresses, no registers held.
+template <typename T>
+__device__ __forceinline__ void prefetch_epilogue(const GemvArgs<T>& a, int wi, int row, int col) {
+  const size_t o = (size_t)col * a.n[wi] + row;
+  if (a.bias[wi]) asm volatile("prefetch.global.L1 [%0];" ::"l"(a.bias[wi] + row));
+  if (a.residual) asm volatile("prefetch.global.L1 [%0];" ::"l"(a.residual + o));
+  if (wi == 0 && a.conv_state) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(a.conv_state + o * a.conv_width));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(a.conv_w + (size_t)row * a.conv_width));
+    if (a.conv_b) asm volatile("prefetch.global.L1 [%0];" ::"l"(a.conv_b + row));
+  }
+}
+
 // Fragment element f of a warp: (C slot i, batch group j, lane) -> tile row and batch column.
 template <int NB>
 __device__ __forceinline__ void frag_pos(int f, int& row, int& col) {
@@ -405,6 +420,8 @@ __device__ __forceinline__ void small_block(const GemvArgs<T>& a, const RowStart
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const SmallItem it = small_item<T, EPI>(a, rs, splits, vb, warp);
   const bool active = it.item < small_total<T, EPI>(a, rs);
+  if constexpr (EPI == Epilogue::Plain)  // the lane that stores this output: its epilogue's reads into L1 now
+    if (active && it.part == 0 && lane < a.m && lane < MAXM) prefetch_epilogue<T>(a, it.wi, it.row, lane);
   float acc[NACC][MAXM] = {};
   if (active) {
     const T* rows[NACC];
