@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
   const int kvh = h - hq;
   const T* src = is_q ? q + ((size_t)b * hq + h) * q_head_stride : k + ((size_t)b * hkv + kvh) * D;
   const T* w = is_q ? q_w : k_w;
-  const T* vr = v + ((size_t)b * hkv + kvh) * D;
+  const T* vr = is_q ? nullptr : v + ((size_t)b * hkv + kvh) * D;  // a key head's value row
   // Every read is requested up front: the norm weight, the rotary tables, the position and the value row no
   // longer wait for the statistics, the shared-memory exchange or each other (a chain of four round trips
   // before, in the SASS). The value row is only pulled into L1 here: held in registers it spilled (fp16, D=256).
