@@ -248,7 +248,9 @@ def test_silu_mul_beyond_the_gemv_rows(rows, dtype):
         assert torch.equal(ops.gated_mlp_front(x, wg, wu), got)  # the dispatch takes exactly this path
 
 
-GDN_SHAPES = {"4b": (16, 32, 128, 128), "08b": (16, 16, 128, 128), "odd": (2, 6, 64, 96)}
+# (Hk, Hv, Dk, Dv): the 4B and 0.8B heads, odd sizes, and the largest key head (64 state values per thread)
+GDN_SHAPES = {"4b": (16, 32, 128, 128), "08b": (16, 16, 128, 128), "odd": (2, 6, 64, 96),
+              "dk256": (2, 4, 256, 64)}
 
 
 def gdn_inputs(batch, hk, hv, dk, dv, dtype, width=4):
