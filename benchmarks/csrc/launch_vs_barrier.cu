@@ -187,39 +187,19 @@ void launches(const at::Tensor& buf, int64_t phases, int64_t blocks, bool pdl, a
            stream);
 }
 
-// One kernel of `phases` phases; bar: two int32 zeros (left zeroed by every run).
-void persistent(const at::Tensor& buf, int64_t phases, int64_t blocks, bool cooperative, at::Tensor& bar,
-                at::Tensor& sink) {
+// One kernel of `phases` phases, its loads plain or through the bulk-copy ring (`bulk`), its barrier the
+// arrival counter or cooperative groups' (`cooperative`); bar: two int32 zeros (left zeroed by every run).
+void run_persistent(const at::Tensor& buf, int64_t phases, int64_t blocks, bool bulk, bool cooperative,
+                    at::Tensor& bar, at::Tensor& sink) {
   check(buf, phases, blocks, sink);
   TORCH_CHECK(bar.is_cuda() && bar.scalar_type() == at::kInt && bar.numel() >= 2, "bar must be 2 int32 values");
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   TORCH_CHECK(blocks <= sms, "a grid barrier needs every block resident: at most ", sms, " blocks (one per SM)");
-  const size_t n16 = buf.nbytes() / 16 / phases;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)blocks);
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = cooperative ? 1 : 0;
-  auto kernel = cooperative ? persistent_kernel<true> : persistent_kernel<false>;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, reinterpret_cast<const uint4*>(buf.data_ptr()), n16, (int)phases,
-                                    reinterpret_cast<unsigned*>(bar.data_ptr()),
-                                    reinterpret_cast<unsigned*>(sink.data_ptr())));
-}
-
-// One kernel of `phases` phases, its loads through the bulk-copy ring; bar: two int32 zeros.
-void persistent_bulk(const at::Tensor& buf, int64_t phases, int64_t blocks, bool cooperative, at::Tensor& bar,
-                     at::Tensor& sink) {
-  check(buf, phases, blocks, sink);
-  TORCH_CHECK(bar.is_cuda() && bar.scalar_type() == at::kInt && bar.numel() >= 2, "bar must be 2 int32 values");
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  TORCH_CHECK(blocks <= sms, "a grid barrier needs every block resident: at most ", sms, " blocks (one per SM)");
-  constexpr int smem = kSlots * kChunkWords * 16;
-  auto kernel = cooperative ? bulk_persistent_kernel<true> : bulk_persistent_kernel<false>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  using Kernel = void (*)(const uint4*, size_t, int, unsigned*, unsigned*);
+  const Kernel kernel = bulk ? (cooperative ? bulk_persistent_kernel<true> : bulk_persistent_kernel<false>)
+                             : (cooperative ? persistent_kernel<true> : persistent_kernel<false>);
+  const int smem = bulk ? kSlots * kChunkWords * 16 : 0;
+  if (bulk) C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)blocks);
   cfg.blockDim = dim3(kThreads);
@@ -234,6 +214,16 @@ void persistent_bulk(const at::Tensor& buf, int64_t phases, int64_t blocks, bool
                                     buf.nbytes() / 16 / phases, (int)phases,
                                     reinterpret_cast<unsigned*>(bar.data_ptr()),
                                     reinterpret_cast<unsigned*>(sink.data_ptr())));
+}
+
+void persistent(const at::Tensor& buf, int64_t phases, int64_t blocks, bool cooperative, at::Tensor& bar,
+                at::Tensor& sink) {
+  run_persistent(buf, phases, blocks, false, cooperative, bar, sink);
+}
+
+void persistent_bulk(const at::Tensor& buf, int64_t phases, int64_t blocks, bool cooperative, at::Tensor& bar,
+                     at::Tensor& sink) {
+  run_persistent(buf, phases, blocks, true, cooperative, bar, sink);
 }
 
 }  // namespace
