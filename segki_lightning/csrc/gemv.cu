@@ -149,12 +149,12 @@ __device__ __forceinline__ void mma_stage(const Stage<NACC, U>& s, const T* __re
 
 // acc[c][NB][4]: C fragments of weight c (rows g, g+8 of the tile x batch columns 2t, 2t+1 of group j) over k
 // blocks [kb0, kb1), summed in k order. PIPE: two stages in registers, the next stage's loads in flight while
-// this one's mma run, so a warp never waits on a drained pipe between stages; else one stage at a time
-// (SEGKI_GEMV_PIPE=0, for the A/B). The same sums in the same order either way. The next stage's loads sit
-// behind a (warp-uniform) branch of their own: without it ptxas interleaved them with this stage's mma in the
-// plain kernels (from 5 rows up), after the first mma had waited for this stage's data, which undid the
-// overlap (the SASS order; the gated front, whose order was right, won on every shape, the plain kernel lost
-// on the GDN input projection and qkv at 16 rows).
+// this one's mma run, so a warp never waits on a drained pipe between stages; else one stage at a time (the GDN
+// input projection at 9-16 rows, see launch_mma; everything under SEGKI_GEMV_PIPE=0). The same sums in the same
+// order either way. The next stage's loads sit behind a (warp-uniform) branch of their own: without it ptxas
+// interleaved them with this stage's mma in the plain kernels (from 5 rows up), after the first mma had waited
+// for this stage's data (the SASS order). Putting them first did not make the GDN input projection win with
+// two stages at 16 rows (`gemv_pipe/at_c2dba80/`).
 template <typename T, int NB, int NACC, bool PIPE>
 __device__ __forceinline__ void tile_dot(const T* const (&w)[NACC], int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NACC][NB][4]) {
