@@ -8,7 +8,8 @@
 #           K slice; default 2 KB per row), SEGKI_ATTN=batched (decode attention with batched softmax, twice
 #           the splits)
 #   pipe    benchmarks/kernels.py, the GEMV family at 1, 8 and 16 rows, plain and under SEGKI_GEMV_PIPE=0 (the
-#           tensor-core GEMV with one stage of loads in flight instead of two; pipe/{two,one}_stage/kernels.json/md)
+#           tensor-core GEMV with one stage of loads in flight instead of two; the GDN input projection runs one
+#           stage at 9-16 rows either way; pipe/{two,one}_stage/kernels.json/md)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
