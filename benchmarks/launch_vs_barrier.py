@@ -8,6 +8,10 @@ separated by
 - ``launch + PDL``: one kernel per phase, launched with programmatic dependent launch as every native decode
   kernel is (each waits for the previous one before it reads);
 - ``launch``: the same without PDL;
+- ``bulk + launch + PDL``: one kernel per phase again, each block's share streamed into shared memory by the
+  copy engine (``cp.async.bulk``) through a ring of 3 x 32 KB slots whose first chunks are issued before the PDL
+  wait; 96 KB per block, so a block of the next kernel fits beside one of this kernel and has its copies in
+  flight while this one finishes: what a decode GEMV could do alone, without a persistent kernel;
 - ``barrier``: one kernel, a hand-rolled grid barrier (an arrival counter) between phases;
 - ``grid.sync``: one cooperative kernel, cooperative groups' grid barrier between phases;
 - ``bulk + barrier``: the ``barrier`` kernel with each block's share streamed into shared memory by the copy
@@ -31,7 +35,7 @@ import torch
 from common import copy_bandwidth_gbps, graph_time_us, write_results
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("launch + PDL", "launch", "barrier", "bulk + barrier", "grid.sync", "bulk + grid.sync")
+VARIANTS = ("launch + PDL", "launch", "bulk + launch + PDL", "barrier", "bulk + barrier", "grid.sync", "bulk + grid.sync")
 
 
 def build() -> None:
@@ -51,8 +55,9 @@ def measure(variant: str, phases: int, size: int, blocks: int) -> float:
     bufs = [torch.zeros(words * 4, dtype=torch.int32, device="cuda") for _ in range(2)]
     sink = torch.zeros(blocks, dtype=torch.int32, device="cuda")
     bar = torch.zeros(2, dtype=torch.int32, device="cuda")
-    if variant.startswith("launch"):
-        fns = [lambda b=b: ops.launches(b, phases, blocks, variant == "launch + PDL", sink) for b in bufs]
+    if "launch" in variant:
+        fns = [lambda b=b: ops.launches(b, phases, blocks, variant == "launch + PDL", variant.startswith("bulk"), sink)
+               for b in bufs]
     elif variant.startswith("bulk"):
         fns = [lambda b=b: ops.persistent_bulk(b, phases, blocks, variant.endswith("grid.sync"), bar, sink)
                for b in bufs]

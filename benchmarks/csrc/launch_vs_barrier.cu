@@ -6,6 +6,7 @@
 // streamed ahead into shared memory by the copy engine across the barriers.
 #include <cooperative_groups.h>
 
+#include "bulk.cuh"
 #include "common.cuh"
 
 namespace segki_bench {
@@ -82,53 +83,77 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(const uint4* __res
 constexpr int kSlots = 4;
 constexpr int kChunkWords = 2048;  // 32 KB per slot, 128 KB of copies in flight per SM
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
+using segki::bulk_fence_init;
+using segki::bulk_fence_reuse;
+using segki::mbar_init;
+using segki::mbar_wait;
 
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
-  unsigned done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  }
-}
-
-// Copies `bytes` (a multiple of 16) from global `src` to shared `dst`; `bar` completes when they have landed.
+// Copies `bytes` from global `src` to shared `dst`; `bar` completes when they have landed.
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
+  segki::mbar_expect(bar, bytes);
+  segki::bulk_load(dst, src, bytes, bar);
 }
+
+// A block's contiguous share of each of `phases` phases of `n16` words, streamed through a ring of SLOTS slots
+// as one sequence of chunks whatever the phase: a slot is refilled as soon as it is read, so the first chunks of
+// phase p + 1 are in flight while the block still computes or waits on phase p.
+template <int SLOTS>
+struct BulkStream {
+  uint4* ring;      // [SLOTS][kChunkWords], shared
+  uint64_t* full;   // [SLOTS] mbarriers, shared
+  const uint4* buf;
+  size_t n16, lo, share;
+  int chunks, total;  // per phase, in all
+
+  __device__ BulkStream(uint4* ring_, uint64_t* full_, const uint4* buf_, size_t n16_, int phases)
+      : ring(ring_), full(full_), buf(buf_), n16(n16_) {
+    const size_t per = (n16 + gridDim.x - 1) / gridDim.x;
+    lo = min(n16, per * blockIdx.x);
+    share = min(n16, lo + per) - lo;
+    chunks = (int)((share + kChunkWords - 1) / kChunkWords);
+    total = chunks * phases;
+  }
+  __device__ unsigned words(int i) const { return (unsigned)min((size_t)kChunkWords, share - (size_t)i * kChunkWords); }
+  __device__ void issue(int c) const {  // chunk c: phase c / chunks, part c % chunks
+    const int p = c / chunks, i = c % chunks;
+    bulk_copy(ring + (c % SLOTS) * kChunkWords, buf + (size_t)p * n16 + lo + (size_t)i * kChunkWords, words(i) * 16,
+              &full[c % SLOTS]);
+  }
+  // The barriers and the first SLOTS chunks (thread 0); every thread must pass a __syncthreads() before consume.
+  __device__ void start() const {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < SLOTS; ++s) mbar_init(&full[s]);
+    bulk_fence_init();
+    for (int c = 0; c < min(SLOTS, total); ++c) issue(c);
+  }
+  // Phase p's chunks folded into one value, each slot refilled with the chunk SLOTS further on once read.
+  __device__ unsigned consume(int p) const {
+    unsigned acc = 0;
+    for (int i = 0; i < chunks; ++i) {
+      const int c = p * chunks + i, slot = c % SLOTS;
+      mbar_wait(&full[slot], (unsigned)(c / SLOTS) & 1u);
+      const uint4* src = ring + slot * kChunkWords;
+      for (unsigned w = threadIdx.x; w < words(i); w += kThreads) {
+        const uint4 v = src[w];
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+      }
+      __syncthreads();  // every thread is done with the slot
+      if (threadIdx.x == 0 && c + SLOTS < total) {
+        bulk_fence_reuse();  // our reads before the copy engine's write
+        issue(c + SLOTS);
+      }
+    }
+    return acc;
+  }
+};
 
 template <bool COOPERATIVE>
 __global__ void __launch_bounds__(kThreads) bulk_persistent_kernel(const uint4* __restrict__ buf, size_t n16,
                                                                    int phases, unsigned* bar, unsigned* sink) {
   extern __shared__ __align__(128) uint4 ring[];  // [kSlots][kChunkWords]
   __shared__ __align__(8) uint64_t full[kSlots];
-  const size_t per = (n16 + gridDim.x - 1) / gridDim.x;
-  const size_t lo = min(n16, per * blockIdx.x), share = min(n16, lo + per) - lo;  // this block's words per phase
-  const int chunks = (int)((share + kChunkWords - 1) / kChunkWords);              // per phase
-  const int total = chunks * phases;
-  auto words_of = [&](int i) { return (unsigned)min((size_t)kChunkWords, share - (size_t)i * kChunkWords); };
-  auto issue = [&](int c) {  // chunk c of the block's stream: phase c / chunks, part c % chunks
-    const int p = c / chunks, i = c % chunks;
-    bulk_copy(ring + (c % kSlots) * kChunkWords, buf + (size_t)p * n16 + lo + (size_t)i * kChunkWords,
-              words_of(i) * 16, &full[c % kSlots]);
-  };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kSlots; ++s) mbar_init(&full[s]);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    for (int c = 0; c < min(kSlots, total); ++c) issue(c);
-  }
+  const BulkStream<kSlots> s(ring, full, buf, n16, phases);
+  s.start();
   __syncthreads();
   unsigned acc = 0;
   for (int p = 0; p < phases; ++p) {
@@ -136,29 +161,35 @@ __global__ void __launch_bounds__(kThreads) bulk_persistent_kernel(const uint4* 
       if constexpr (COOPERATIVE) cooperative_groups::this_grid().sync();
       else grid_barrier(bar);
     }
-    for (int i = 0; i < chunks; ++i) {
-      const int c = p * chunks + i, slot = c % kSlots;
-      mbar_wait(&full[slot], (unsigned)(c / kSlots) & 1u);
-      const uint4* src = ring + slot * kChunkWords;
-      for (unsigned w = threadIdx.x; w < words_of(i); w += kThreads) {
-        const uint4 v = src[w];
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-      }
-      __syncthreads();  // every thread is done with the slot
-      if (threadIdx.x == 0 && c + kSlots < total) {
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // our reads before the copy engine's write
-        issue(c + kSlots);
-      }
-    }
+    acc ^= s.consume(p);
   }
   keep(acc, sink);
 }
 
-void launch(void (*kernel)(const uint4*, size_t, unsigned*), int blocks, bool pdl, const uint4* buf, size_t n16,
-            unsigned* sink, cudaStream_t stream) {
+// ---- one launch per phase again, each kernel's share streamed through a ring of kPhaseSlots slots whose first
+// chunks are issued before the PDL wait: what a decode GEMV could do on its own, since its weights never depend
+// on the previous kernel. 96 KB per block, so a block of the next kernel fits on the SM beside one of this
+// kernel and starts its copies while this one finishes.
+constexpr int kPhaseSlots = 3;
+
+__global__ void __launch_bounds__(kThreads) bulk_phase_kernel(const uint4* __restrict__ buf, size_t n16,
+                                                              unsigned* sink) {
+  extern __shared__ __align__(128) uint4 ring[];  // [kPhaseSlots][kChunkWords]
+  __shared__ __align__(8) uint64_t full[kPhaseSlots];
+  const BulkStream<kPhaseSlots> s(ring, full, buf, n16, 1);
+  s.start();  // weights only: safe before the wait
+  segki::pdl_launch_dependents();
+  __syncthreads();
+  segki::pdl_wait();
+  keep(s.consume(0), sink);
+}
+
+void launch(void (*kernel)(const uint4*, size_t, unsigned*), int blocks, bool pdl, int smem, const uint4* buf,
+            size_t n16, unsigned* sink, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -176,15 +207,19 @@ void check(const at::Tensor& buf, int64_t phases, int64_t blocks, const at::Tens
   TORCH_CHECK(phases >= 1 && blocks >= 1, "phases and blocks must be positive");
 }
 
-// `phases` launches of one kernel, each streaming the next slice of buf.
-void launches(const at::Tensor& buf, int64_t phases, int64_t blocks, bool pdl, at::Tensor& sink) {
+// `phases` launches of one kernel, each streaming the next slice of buf: plain loads, or (`bulk`) the copy-engine
+// ring whose first chunks are issued before the PDL wait (always launched with PDL).
+void launches(const at::Tensor& buf, int64_t phases, int64_t blocks, bool pdl, bool bulk, at::Tensor& sink) {
   check(buf, phases, blocks, sink);
   const size_t n16 = buf.nbytes() / 16 / phases;
   const auto* base = reinterpret_cast<const uint4*>(buf.data_ptr());
   auto stream = at::cuda::getCurrentCUDAStream();
+  const int smem = bulk ? kPhaseSlots * kChunkWords * 16 : 0;
+  if (bulk)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(bulk_phase_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   for (int64_t p = 0; p < phases; ++p)
-    launch(phase_kernel, (int)blocks, pdl, base + p * n16, n16, reinterpret_cast<unsigned*>(sink.data_ptr()),
-           stream);
+    launch(bulk ? bulk_phase_kernel : phase_kernel, (int)blocks, pdl || bulk, smem, base + p * n16, n16,
+           reinterpret_cast<unsigned*>(sink.data_ptr()), stream);
 }
 
 // One kernel of `phases` phases, its loads plain or through the bulk-copy ring (`bulk`), its barrier the
@@ -229,7 +264,7 @@ void persistent_bulk(const at::Tensor& buf, int64_t phases, int64_t blocks, bool
 }  // namespace
 
 TORCH_LIBRARY(segki_bench, m) {
-  m.def("launches(Tensor buf, int phases, int blocks, bool pdl, Tensor(a!) sink) -> ()");
+  m.def("launches(Tensor buf, int phases, int blocks, bool pdl, bool bulk, Tensor(a!) sink) -> ()");
   m.def("persistent(Tensor buf, int phases, int blocks, bool cooperative, Tensor(a!) bar, Tensor(b!) sink) -> ()");
   m.def("persistent_bulk(Tensor buf, int phases, int blocks, bool cooperative, Tensor(a!) bar, Tensor(b!) sink) -> ()");
 }

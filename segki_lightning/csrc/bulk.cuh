@@ -1,0 +1,70 @@
+// Copies from global to shared memory by the copy engine (sm_90 cp.async.bulk), each completing on an mbarrier:
+// a block can have a weight's bytes in flight without a register per load, and before the PDL wait, since
+// weights do not depend on the previous kernel. Measured (`results/bulk_gemv/`): launched one kernel per phase,
+// one block per SM with 96 KB of copies in flight, most of each phase requested during the previous one, streams
+// 4-16 MiB phases at 2.9-3.8 TB/s (plain loads of the same blocks: 0.9-1.1 TB/s). Within one kernel's steady state
+// a block completed one slot per ~1.5 us whatever the slot (16 or 30 KB) or ring (96 or 220 KB) size: ~2.4 TB/s.
+#pragma once
+
+#include <cstdint>
+
+namespace segki {
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// An mbarrier for one arrival (the thread that issues the copies) plus their bytes. Make it visible to the copy
+// engine with bulk_fence_init() before the first copy.
+__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void bulk_fence_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// Blocks until phase `parity` of `bar` has completed (all its bytes landed).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+#endif
+}
+
+// Arrives on `bar` expecting `bytes` more: the total of the copies that follow on it for this phase.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+#endif
+}
+
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`, counted
+// on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+#endif
+}
+
+// Orders this thread's earlier reads of shared memory (after a __syncthreads(), the block's) before a copy the
+// engine will write into the same bytes.
+__device__ __forceinline__ void bulk_fence_reuse() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+}  // namespace segki
