@@ -13,6 +13,7 @@
 // stages of weight fragments in registers: the next stage's loads are in flight while this one's mma run
 // (measured at 0c76328: 0.8B decode +15 % at 8 rows, +9 % at 16). The GDN input projection runs one stage at
 // 9-16 rows, where that measured faster (launch_mma); SEGKI_GEMV_PIPE=0 runs one stage everywhere, same bits.
+#include "bulk.cuh"
 #include "common.cuh"
 
 #include <cooperative_groups.h>
@@ -496,6 +497,232 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
 #undef SEGKI_SMALL_CASE
 }
 
+// ---- small batches through the copy engine (sm_90; opt-in with SEGKI_GEMV_BULK=1, 1-4 rows): one block per SM
+// owns a contiguous range of output rows and streams their weight rows into shared memory with cp.async.bulk
+// through a ring of slots, the first slots issued before the PDL wait -- so a kernel's weights are in flight while
+// the previous kernel finishes, and no register holds a load. x and the ring take at most 108 KB, so a block of
+// the next GEMV fits on the SM beside this one and does the same. The warps read x (staged once) and the rows from
+// shared memory, each lane the same 8 consecutive columns of every 256 as row_dot: a chunk of 8 or more rows sums
+// in row_dot's order with one K part (bit-equal to the register path where that has one part too); a chunk of
+// fewer rows splits each row's stretches over the idle warps and sums the parts in part order.
+// Why it is not the default (`results/bulk_gemv/`): launch_vs_barrier.py had streamed 4-16 MiB phases at
+// 2.9-3.8 TB/s this way, but there most of a phase was requested during the previous phase. Within one kernel a
+// block completes one slot per ~1.5 us whatever the slot (16 or 30 KB) or ring (96 or 220 KB) size, ~2.4 TB/s:
+// 4B lm_head 524 us against 304 on the register path, 0.8B decode b=1 862 against 1038 tok/s. It wins only where
+// a block's whole share is one slot requested before the wait: 0.8B o_proj 2.51 against 3.46 us at one row.
+constexpr int kBulkChunkBytes = 32 * 1024;  // weight bytes per slot, at most
+constexpr int kBulkSmemBytes = 108 * 1024;  // x and the ring: two blocks fit one SM's 228 KB
+constexpr int kBulkMaxSlots = 8;
+
+struct BulkPlan {
+  int items;           // output rows (of the gated front: SiLU(gate) * up values) per row of x
+  int rows_per_chunk;  // rows of each streamed weight per slot
+  int slots;
+  int x_elems;         // x's place at the start of shared memory (its m * K elements, rounded up to 128 bytes)
+};
+
+// `rows` consecutive rows of weight `wi` from `row`: the next chunk of a block's range [item, end), which ends
+// at the range's end, the weight's last row or the slot's capacity.
+struct BulkChunk {
+  int wi, row, rows;
+};
+
+template <typename T, Epilogue EPI>
+__device__ __forceinline__ BulkChunk bulk_chunk(const GemvArgs<T>& a, const RowStart& rs, int item, int end,
+                                                int rpc) {
+  BulkChunk ch;
+  ch.wi = 0;
+  int first = 0;  // the weight's first row among all outputs (selects, not an indexed array: no stack frame)
+  if constexpr (EPI == Epilogue::Plain) {
+#pragma unroll
+    for (int j = 1; j < kMaxW; ++j) {
+      if (j < a.nw && item >= rs.v[j]) {
+        ch.wi = j;
+        first = rs.v[j];
+      } else if (j <= a.nw && ch.wi == j - 1) {
+        end = min(end, rs.v[j]);
+      }
+    }
+  }
+  ch.row = item - first;
+  ch.rows = min(rpc, end - item);
+  return ch;
+}
+
+// Thread 0: the chunk's weight rows (gate then up rows for the gated front) into `slot`, completing on `full`.
+template <typename T, Epilogue EPI>
+__device__ __forceinline__ void bulk_issue(const GemvArgs<T>& a, const BulkChunk& ch, T* slot, uint64_t* full) {
+  const unsigned bytes = (unsigned)ch.rows * a.k * sizeof(T);
+  const T* w = a.w[0];
+#pragma unroll
+  for (int j = 1; j < kMaxW; ++j) w = ch.wi == j ? a.w[j] : w;
+  mbar_expect(full, EPI == Epilogue::SiluMul ? 2 * bytes : bytes);
+  bulk_load(slot, w + (size_t)ch.row * a.k, bytes, full);
+  if constexpr (EPI == Epilogue::SiluMul)
+    bulk_load(slot + (size_t)ch.rows * a.k, a.w[1] + (size_t)ch.row * a.k, bytes, full);
+}
+
+// acc[c][r] += (shared weight row c . shared x row r) over the 256-column stretches part, part + parts, ... of
+// K, warp-summed; with one part the products and sums of row_dot, in its order.
+template <typename T, int MAXM, int NACC>
+__device__ __forceinline__ void smem_row_dot(const T* const (&wrow)[NACC], const T* __restrict__ x, int m, int k,
+                                             int part, int parts, float acc[NACC][MAXM]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll 4
+  for (int kk = part * 256 + lane * 8; kk < k; kk += 256 * parts) {
+    uint4 xv[MAXM];
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r)
+      xv[r] = r < m ? *reinterpret_cast<const uint4*>(x + (size_t)r * k + kk) : make_uint4(0, 0, 0, 0);
+    float wf[NACC][8];
+#pragma unroll
+    for (int c = 0; c < NACC; ++c) unpack8<T>(*reinterpret_cast<const uint4*>(wrow[c] + kk), wf[c]);
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) {
+      if (r < m) {
+        float xf[8];
+        unpack8<T>(xv[r], xf);
+#pragma unroll
+        for (int c = 0; c < NACC; ++c)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[c][i], xf[i], acc[c][r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < NACC; ++c)
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) acc[c][r] = warp_sum(acc[c][r]);
+}
+
+// Lane r's value of x row r: acc[c][lane] without an indexed register array.
+template <int MAXM>
+__device__ __forceinline__ float lane_value(const float (&acc)[MAXM], int lane) {
+  float v = acc[0];
+#pragma unroll
+  for (int r = 1; r < MAXM; ++r) v = lane == r ? acc[r] : v;
+  return v;
+}
+
+template <typename T, int MAXM, Epilogue EPI>
+__global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArgs<T> a, const RowStart rs,
+                                                                  const BulkPlan plan) {
+  constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
+  extern __shared__ __align__(128) unsigned char bulk_smem[];  // x [m][K], then the ring [slots][NACC][rpc][K]
+  __shared__ __align__(8) uint64_t full[kBulkMaxSlots];
+  __shared__ float red[kWarps][NACC][MAXM];
+  T* xs = reinterpret_cast<T*>(bulk_smem);
+  T* ring = xs + plan.x_elems;
+  const int rpc = plan.rows_per_chunk;  // (32-bit products: at most 2^31 / SMs output rows, checked at launch)
+  const int begin = (int)(blockIdx.x * (unsigned)plan.items / gridDim.x);
+  const int end = (int)((blockIdx.x + 1) * (unsigned)plan.items / gridDim.x);
+  const size_t slot_elems = (size_t)NACC * rpc * a.k;
+  int ahead = begin;  // thread 0: the first row not yet requested
+  if (threadIdx.x == 0) {  // weights only: safe before the wait
+    for (int s = 0; s < plan.slots; ++s) mbar_init(&full[s]);
+    bulk_fence_init();
+    for (int s = 0; s < plan.slots && ahead < end; ++s) {
+      const BulkChunk ch = bulk_chunk<T, EPI>(a, rs, ahead, end, rpc);
+      bulk_issue<T, EPI>(a, ch, ring + s * slot_elems, &full[s]);
+      ahead += ch.rows;
+    }
+  }
+  pdl_launch_dependents();
+  pdl_wait();
+  // x into shared memory once: read from L2 per stretch, under the copies' traffic, its latency had made the
+  // dot products slower than the weights' arrival (0.8B o_proj 3.5 us against 3.3 on the register path)
+  for (int i = threadIdx.x; i < a.m * a.k / 8; i += kWarps * 32)
+    reinterpret_cast<uint4*>(xs)[i] = ld_cached(a.x + (size_t)i * 8);
+  __syncthreads();  // x is in place and the barriers are initialized before any thread waits on them
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int item = begin;
+  for (int c = 0; item < end; ++c) {
+    const BulkChunk ch = bulk_chunk<T, EPI>(a, rs, item, end, rpc);
+    int parts = 1;  // warps per row: the chunk's rows share the 8 warps
+    while (parts * 2 * ch.rows <= kWarps) parts *= 2;
+    const int part = warp % parts, first = warp / parts, stride = kWarps / parts;
+    const int slot = c % plan.slots;
+    if constexpr (EPI == Epilogue::Plain)  // the storing lanes' epilogue reads into L1 while the copies land
+      if (part == 0 && lane < a.m)
+        for (int r = first; r < ch.rows; r += stride) prefetch_epilogue<T>(a, ch.wi, ch.row + r, lane);
+    mbar_wait(&full[slot], (unsigned)(c / plan.slots) & 1u);
+    const T* w = ring + slot * slot_elems;
+    for (int r = first; r < ch.rows; r += stride) {
+      float acc[NACC][MAXM] = {};
+      const T* rows[NACC];
+      rows[0] = w + (size_t)r * a.k;
+      if constexpr (EPI == Epilogue::SiluMul) rows[NACC - 1] = w + (size_t)(ch.rows + r) * a.k;
+      smem_row_dot<T, MAXM, NACC>(rows, xs, a.m, a.k, part, parts, acc);
+      if (parts == 1) {
+        if (lane < a.m) store_out<T, EPI>(a, ch.wi, ch.row + r, lane, lane_value(acc[0], lane),
+                                          lane_value(acc[NACC - 1], lane));
+      } else if (lane == 0) {
+#pragma unroll
+        for (int cc = 0; cc < NACC; ++cc)
+#pragma unroll
+          for (int rr = 0; rr < MAXM; ++rr) red[warp][cc][rr] = acc[cc][rr];
+      }
+    }
+    __syncthreads();  // the slot is read, the parts are in `red`
+    if (parts > 1 && part == 0 && first < ch.rows && lane < a.m) {
+      float v[NACC];
+#pragma unroll
+      for (int cc = 0; cc < NACC; ++cc) {
+        v[cc] = 0.f;
+        for (int p = 0; p < parts; ++p) v[cc] += red[warp + p][cc][lane];
+      }
+      store_out<T, EPI>(a, ch.wi, ch.row + first, lane, v[0], v[NACC - 1]);
+    }
+    if (threadIdx.x == 0 && ahead < end) {  // the slot's next chunk, `slots` chunks on
+      bulk_fence_reuse();
+      const BulkChunk nx = bulk_chunk<T, EPI>(a, rs, ahead, end, rpc);
+      bulk_issue<T, EPI>(a, nx, ring + slot * slot_elems, &full[slot]);
+      ahead += nx.rows;
+    }
+    if (parts > 1) __syncthreads();  // `red` is read before the next chunk writes it
+    item += ch.rows;
+  }
+}
+
+// The copy-engine path under SEGKI_GEMV_BULK=1, where it takes the inputs: an sm_90 device, a weight row (the gate
+// and up rows together) within one slot and a second slot beside x, every weight 16-byte aligned. Returns false
+// otherwise (the register path runs).
+template <typename T, Epilogue EPI>
+bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
+  static const bool enabled = env_is("SEGKI_GEMV_BULK", "1") && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  const long row_bytes = (long)a.k * sizeof(T) * (EPI == Epilogue::SiluMul ? 2 : 1);
+  if (!enabled || row_bytes > kBulkChunkBytes) return false;
+  for (int i = 0; i < a.nw; ++i)
+    if (reinterpret_cast<uintptr_t>(a.w[i]) % 16 != 0) return false;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  if ((long)total_rows * sms >= (1L << 31)) return false;
+  BulkPlan plan;
+  plan.items = total_rows;
+  plan.rows_per_chunk = (int)(kBulkChunkBytes / row_bytes);
+  const long x_bytes = ((long)a.m * a.k * sizeof(T) + 127) / 128 * 128;
+  plan.x_elems = (int)(x_bytes / sizeof(T));
+  plan.slots = (int)std::min<long>(kBulkMaxSlots, (kBulkSmemBytes - x_bytes) / (plan.rows_per_chunk * row_bytes));
+  if (plan.slots < 2) return false;  // x leaves no room for a second chunk in flight
+  const int smem = (int)(x_bytes + plan.slots * plan.rows_per_chunk * row_bytes);
+  const int blocks = std::min(sms, total_rows);
+  auto stream = at::cuda::getCurrentCUDAStream();
+#define SEGKI_BULK_CASE(M)                                                                                 \
+  if (a.m <= M) {                                                                                         \
+    static const bool attr = [] {                                                                         \
+      C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<T, M, EPI>,                                    \
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes)); \
+      return true;                                                                                        \
+    }();                                                                                                  \
+    (void)attr;                                                                                           \
+    launch_pdl_smem(gemv_bulk_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), smem, stream, dim3(1), a, rs, \
+                    plan);                                                                                \
+    return true;                                                                                          \
+  }
+  SEGKI_BULK_CASE(1) SEGKI_BULK_CASE(2) SEGKI_BULK_CASE(4)
+#undef SEGKI_BULK_CASE
+  return false;
+}
+
 // K slices per group: double while the grid is below 4 blocks per SM and each slice keeps at least two
 // rounds of kUnroll k blocks.
 int choose_splits(int groups, int kblocks) {
@@ -615,11 +842,12 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       for (int i = 0; i < a.nw; ++i) rs.v[i + 1] = rs.v[i] + a.n[i];
       const bool small = a.m <= kMaxSmallRows;
       if (epi == Epilogue::SiluMul) {
-        if (small) launch_small<T, Epilogue::SiluMul>(a, rs, a.n[0]);
-        else launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1], one_stage_9_to_16);
+        if (!small) launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1], one_stage_9_to_16);
+        else if (!launch_bulk<T, Epilogue::SiluMul>(a, rs, a.n[0])) launch_small<T, Epilogue::SiluMul>(a, rs, a.n[0]);
       } else {
-        if (small) launch_small<T, Epilogue::Plain>(a, rs, rs.v[a.nw]);
-        else launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw], one_stage_9_to_16);
+        if (!small) launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw], one_stage_9_to_16);
+        else if (!launch_bulk<T, Epilogue::Plain>(a, rs, rs.v[a.nw]))
+          launch_small<T, Epilogue::Plain>(a, rs, rs.v[a.nw]);
       }
     }
   });

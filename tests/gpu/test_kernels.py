@@ -351,6 +351,48 @@ def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
             assert not torch.isnan(a).any() and torch.equal(a, b)
 
 
+BULK_CALLS = """
+import sys, torch
+from segki_lightning.ops.extension import native_ops
+ops, outs = native_ops(), []
+for x, ws, res in torch.load(sys.argv[1]):
+    x, ws = x.cuda(), [w.cuda() for w in ws]
+    outs.append(ops.gated_mlp_front(x, *ws) if len(ws) == 2 else ops.linear(x, ws[0], None, res.cuda()))
+torch.save([o.cpu() for o in outs], sys.argv[2])
+"""
+
+
+def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
+    """The 1-4 row GEMV that streams weights into shared memory with the copy engine sums each row as the
+    register path does when both take a row's K whole: shapes where every block of the copy-engine path gets
+    one chunk of 16 (single projection, K = 1024) or 8 (gated front) rows and the register path does not
+    split K. ``SEGKI_GEMV_BULK=0`` (a process-wide switch: each setting runs in a child process) selects the
+    register path; the outputs are bit-identical, residual epilogue included."""
+    import os
+    import subprocess
+    import sys
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k = 1024
+    cases = []
+    for batch in (1, 2, 3, 4):
+        x = randn(batch, k, dtype=torch.bfloat16).cpu()
+        w = randn(16 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu()
+        cases.append((x, [w], randn(batch, 16 * sms, dtype=torch.bfloat16).cpu()))
+        gate_up = [randn(8 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)]
+        cases.append((x, gate_up, None))
+    torch.save(cases, tmp_path / "inputs.pt")
+    script = tmp_path / "bulk.py"
+    script.write_text(BULK_CALLS)
+    outs = {}
+    for bulk in ("1", "0"):
+        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{bulk}.pt")],
+                       check=True, env={**os.environ, "SEGKI_GEMV_BULK": bulk}, timeout=600)
+        outs[bulk] = torch.load(tmp_path / f"out{bulk}.pt")
+    for a, b in zip(outs["1"], outs["0"], strict=True):
+        assert not torch.isnan(a).any() and torch.equal(a, b)
+
+
 BAD_INPUT_CALLS = """
 import torch
 from segki_lightning.ops.extension import native_ops
