@@ -322,6 +322,31 @@ struct RowStart {  // cumulative output rows per weight
   int v[kMaxW + 1];
 };
 
+// acc[c][r] += the 8 weights wf[c] . the 8 values of x row r in xv[r], for the rows present (r < m).
+template <typename T, int MAXM, int NACC>
+__device__ __forceinline__ void fma_stretch(const uint4 (&xv)[MAXM], const float (&wf)[NACC][8], int m,
+                                            float acc[NACC][MAXM]) {
+#pragma unroll
+  for (int r = 0; r < MAXM; ++r) {
+    if (r < m) {
+      float xf[8];
+      unpack8<T>(xv[r], xf);
+#pragma unroll
+      for (int c = 0; c < NACC; ++c)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[c][i], xf[i], acc[c][r]);
+    }
+  }
+}
+
+template <int MAXM, int NACC>
+__device__ __forceinline__ void warp_sum_all(float acc[NACC][MAXM]) {
+#pragma unroll
+  for (int c = 0; c < NACC; ++c)
+#pragma unroll
+    for (int r = 0; r < MAXM; ++r) acc[c][r] = warp_sum(acc[c][r]);
+}
+
 // acc[c][r] = (weight row c . x row r) over columns [k0, k1), warp-summed: each lane takes 8 consecutive columns
 // of every 256. Per round the lane issues the loads of kSmallUnroll stretches of every weight row (the gated
 // front streams gate and up together) before it uses any, so NACC x 2 KB per warp are in flight at once.
@@ -351,23 +376,10 @@ __device__ __forceinline__ void row_dot(const T* const (&wrow)[NACC], const T* _
       float wf[NACC][8];
 #pragma unroll
       for (int c = 0; c < NACC; ++c) unpack8<T>(wv[c][u], wf[c]);
-#pragma unroll
-      for (int r = 0; r < MAXM; ++r) {
-        if (r < m) {
-          float xf[8];
-          unpack8<T>(xv[r], xf);
-#pragma unroll
-          for (int c = 0; c < NACC; ++c)
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[c][i], xf[i], acc[c][r]);
-        }
-      }
+      fma_stretch<T, MAXM, NACC>(xv, wf, m, acc);
     }
   }
-#pragma unroll
-  for (int c = 0; c < NACC; ++c)
-#pragma unroll
-    for (int r = 0; r < MAXM; ++r) acc[c][r] = warp_sum(acc[c][r]);
+  warp_sum_all<MAXM, NACC>(acc);
 }
 
 // What warp `warp` of (virtual) block `vb` computes: output `item` (weight `wi`, its row `row`), K part `part`
@@ -577,22 +589,9 @@ __device__ __forceinline__ void smem_row_dot(const T* const (&wrow)[NACC], const
     float wf[NACC][8];
 #pragma unroll
     for (int c = 0; c < NACC; ++c) unpack8<T>(*reinterpret_cast<const uint4*>(wrow[c] + kk), wf[c]);
-#pragma unroll
-    for (int r = 0; r < MAXM; ++r) {
-      if (r < m) {
-        float xf[8];
-        unpack8<T>(xv[r], xf);
-#pragma unroll
-        for (int c = 0; c < NACC; ++c)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[c][r] = fmaf(wf[c][i], xf[i], acc[c][r]);
-      }
-    }
+    fma_stretch<T, MAXM, NACC>(xv, wf, m, acc);
   }
-#pragma unroll
-  for (int c = 0; c < NACC; ++c)
-#pragma unroll
-    for (int r = 0; r < MAXM; ++r) acc[c][r] = warp_sum(acc[c][r]);
+  warp_sum_all<MAXM, NACC>(acc);
 }
 
 // Lane r's value of x row r: acc[c][lane] without an indexed register array.
