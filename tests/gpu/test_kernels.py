@@ -313,65 +313,58 @@ def test_gdn_in_proj_conv_equals_the_unfused_native_ops_exactly(shape, batch, dt
     assert rel_err(conv[0], ref_conv) < TOL[dtype]   # the appended token is the rounded projection
 
 
-PIPE_CALLS = """
-import sys, torch
-from segki_lightning.ops.extension import native_ops
-ops, outs = native_ops(), []
-for x, ws in torch.load(sys.argv[1]):
-    x, ws = x.cuda(), [w.cuda() for w in ws]
-    outs.append([ops.gated_mlp_front(x, *ws)] if len(ws) == 2 else list(ops.gdn_in_proj(x, *ws)) if len(ws) == 4
-                else [ops.linear(x, ws[0], None, None)])
-torch.save([[o.cpu() for o in out] for out in outs], sys.argv[2])
-"""
-
-
-def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
-    """The tensor-core GEMV's two register stages (the next k blocks' loads in flight during this stage's mma)
-    sum the same products in the same order as one stage at a time (``SEGKI_GEMV_PIPE=0``, a process-wide
-    switch: each setting runs in a child process): the outputs are bit-identical, for 5-64 rows of the gated
-    front, the GDN input projection, a single projection and an odd shape with a partial last k block."""
-    import os
-    import subprocess
-    import sys
-
-    cases = [(randn(batch, PROJ_SHAPES[shape][0], dtype=torch.bfloat16).cpu(),
-              [randn(n, PROJ_SHAPES[shape][0], dtype=torch.bfloat16, scale=PROJ_SHAPES[shape][0] ** -0.5).cpu()
-               for n in PROJ_SHAPES[shape][1]])   # 2 weights: gate/up, 4: GDN input, 1: linear
-             for shape in ("4b_gate_up", "08b_gdn_in", "4b_o_proj", "odd_long_k") for batch in (5, 16, 33, 64)]
-    torch.save(cases, tmp_path / "inputs.pt")
-    script = tmp_path / "pipe.py"
-    script.write_text(PIPE_CALLS)
-    outs = {}
-    for pipe in ("1", "0"):
-        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{pipe}.pt")],
-                       check=True, env={**os.environ, "SEGKI_GEMV_PIPE": pipe}, timeout=600)
-        outs[pipe] = torch.load(tmp_path / f"out{pipe}.pt")
-    for two, one in zip(outs["1"], outs["0"], strict=True):
-        for a, b in zip(two, one, strict=True):
-            assert not torch.isnan(a).any() and torch.equal(a, b)
-
-
-BULK_CALLS = """
+SWITCH_CALLS = """
 import sys, torch
 from segki_lightning.ops.extension import native_ops
 ops, outs = native_ops(), []
 for x, ws, res in torch.load(sys.argv[1]):
-    x, ws = x.cuda(), [w.cuda() for w in ws]
-    outs.append(ops.gated_mlp_front(x, *ws) if len(ws) == 2 else ops.linear(x, ws[0], None, res.cuda()))
-torch.save([o.cpu() for o in outs], sys.argv[2])
+    x, ws, res = x.cuda(), [w.cuda() for w in ws], None if res is None else res.cuda()
+    outs.append([ops.gated_mlp_front(x, *ws)] if len(ws) == 2 else list(ops.gdn_in_proj(x, *ws)) if len(ws) == 4
+                else [ops.linear(x, ws[0], None, res)])
+torch.save([[o.cpu() for o in out] for out in outs], sys.argv[2])
 """
 
 
-def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
-    """The 1-4 row GEMV that streams weights into shared memory with the copy engine sums each row as the
-    register path does when both take a row's K whole: shapes where every block of the copy-engine path gets
-    one chunk of 16 (single projection, K = 1024) or 8 (gated front) rows and the register path does not
-    split K. ``SEGKI_GEMV_BULK=0`` (a process-wide switch: each setting runs in a child process) selects the
-    register path; the outputs are bit-identical, residual epilogue included."""
+def assert_same_bits_under(tmp_path, cases, switch, values):
+    """The GEMV family on ``cases`` ((x, weights, residual or None), on the CPU; 2 weights: gated front, 4: GDN
+    input projection, 1: linear) in one child process per value of the process-wide kernel switch ``switch``:
+    every output bit-identical across the values, and none left unwritten."""
     import os
     import subprocess
     import sys
 
+    torch.save(cases, tmp_path / "inputs.pt")
+    script = tmp_path / "calls.py"
+    script.write_text(SWITCH_CALLS)
+    outs = []
+    for value in values:
+        out = tmp_path / f"out_{value}.pt"
+        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(out)], check=True,
+                       env={**os.environ, switch: value}, timeout=600)
+        outs.append(torch.load(out))
+    for other in outs[1:]:
+        for first, second in zip(outs[0], other, strict=True):
+            for a, b in zip(first, second, strict=True):
+                assert not torch.isnan(a).any() and torch.equal(a, b)
+
+
+def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
+    """The tensor-core GEMV's two register stages (the next k blocks' loads in flight during this stage's mma)
+    sum the same products in the same order as one stage at a time (``SEGKI_GEMV_PIPE=0``): the outputs are
+    bit-identical, for 5-64 rows of the gated front, the GDN input projection, a single projection and an odd
+    shape with a partial last k block."""
+    cases = [(randn(batch, PROJ_SHAPES[shape][0], dtype=torch.bfloat16).cpu(),
+              [randn(n, PROJ_SHAPES[shape][0], dtype=torch.bfloat16, scale=PROJ_SHAPES[shape][0] ** -0.5).cpu()
+               for n in PROJ_SHAPES[shape][1]], None)
+             for shape in ("4b_gate_up", "08b_gdn_in", "4b_o_proj", "odd_long_k") for batch in (5, 16, 33, 64)]
+    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_PIPE", ("1", "0"))
+
+
+def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
+    """The 1-4 row GEMV that streams weights into shared memory with the copy engine (``SEGKI_GEMV_BULK=1``)
+    sums each row as the register path does when both take a row's K whole: shapes where every block of the
+    copy-engine path gets one chunk of 16 (single projection, K = 1024) or 8 (gated front) rows and the
+    register path does not split K. The outputs are bit-identical, residual epilogue included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     k = 1024
     cases = []
@@ -379,18 +372,8 @@ def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
         x = randn(batch, k, dtype=torch.bfloat16).cpu()
         w = randn(16 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu()
         cases.append((x, [w], randn(batch, 16 * sms, dtype=torch.bfloat16).cpu()))
-        gate_up = [randn(8 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)]
-        cases.append((x, gate_up, None))
-    torch.save(cases, tmp_path / "inputs.pt")
-    script = tmp_path / "bulk.py"
-    script.write_text(BULK_CALLS)
-    outs = {}
-    for bulk in ("1", "0"):
-        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(tmp_path / f"out{bulk}.pt")],
-                       check=True, env={**os.environ, "SEGKI_GEMV_BULK": bulk}, timeout=600)
-        outs[bulk] = torch.load(tmp_path / f"out{bulk}.pt")
-    for a, b in zip(outs["1"], outs["0"], strict=True):
-        assert not torch.isnan(a).any() and torch.equal(a, b)
+        cases.append((x, [randn(8 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)], None))
+    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "0"))
 
 
 BAD_INPUT_CALLS = """
