@@ -24,24 +24,13 @@ from pathlib import Path
 
 import torch
 
-from common import copy_bandwidth_gbps, graph_time_us, write_results
+from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
 VARIANTS = [("ring", 3, 32, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
             ("producer", 3, 32, 1), ("producer", 6, 32, 1), ("split4", 3, 32, 1), ("split4", 6, 32, 1),
             ("ring", 3, 32, 2), ("producer", 3, 32, 2)]
-
-
-def build() -> None:
-    from segki_lightning.ops.build import _arch_list, build_dir, compile_library
-
-    arch = _arch_list(None)
-    out = build_dir(arch) / "bench_bulk_stream"
-    out.mkdir(exist_ok=True)
-    compile_library("segki_bench_bulk_stream", [ROOT / "benchmarks" / "csrc" / "bulk_stream.cu"], out, arch,
-                    include_dirs=(ROOT / "segki_lightning" / "csrc",))
 
 
 def main() -> None:
@@ -51,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    build()
+    build_bench_ops("bulk_stream")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth_gbps()
     nbytes = args.mib * 2**20

@@ -26,6 +26,19 @@ SHAPES = {
 }
 
 
+def build_bench_ops(source: str) -> None:
+    """Compile ``benchmarks/csrc/<source>.cu`` (with the project's kernel headers) for the visible GPU and load
+    its ops into ``torch.ops``; cached next to the extension's build."""
+    from segki_lightning.ops.build import _arch_list, build_dir, compile_library
+
+    root = Path(__file__).resolve().parents[1]
+    arch = _arch_list(None)
+    out = build_dir(arch) / f"bench_{source}"
+    out.mkdir(exist_ok=True)
+    compile_library(f"segki_bench_{source}", [root / "benchmarks" / "csrc" / f"{source}.cu"], out, arch,
+                    include_dirs=(root / "segki_lightning" / "csrc",))
+
+
 def qwen35_config(name: str, **overrides):
     """A ``Qwen3_5TextConfig`` of the named shape (every 4th layer full attention, as released)."""
     from transformers import Qwen3_5TextConfig

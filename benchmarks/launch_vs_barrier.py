@@ -32,20 +32,9 @@ from pathlib import Path
 
 import torch
 
-from common import copy_bandwidth_gbps, graph_time_us, write_results
+from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("launch + PDL", "launch", "bulk + launch + PDL", "barrier", "bulk + barrier", "grid.sync", "bulk + grid.sync")
-
-
-def build() -> None:
-    from segki_lightning.ops.build import _arch_list, build_dir, compile_library
-
-    arch = _arch_list(None)
-    out = build_dir(arch) / "bench_launch_vs_barrier"
-    out.mkdir(exist_ok=True)
-    compile_library("segki_bench_launch_vs_barrier", [ROOT / "benchmarks" / "csrc" / "launch_vs_barrier.cu"], out,
-                    arch, include_dirs=(ROOT / "segki_lightning" / "csrc",))
 
 
 def measure(variant: str, phases: int, size: int, blocks: int) -> float:
@@ -75,7 +64,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
-    build()
+    build_bench_ops("launch_vs_barrier")
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth_gbps()
     rows = []
