@@ -11,7 +11,8 @@ one or two blocks per SM with nothing but a fold of the words, in variants that 
   mbarrier, with no block barrier (a refill held back by the slowest warp would show here);
 - ``split4``: ``ring`` with each slot filled by four copies from four lanes (copies of one block served one at
   a time would show here);
-- any of them at two blocks per SM (``x2``).
+- any of them at two, four or eight blocks per SM (``x2``, ``x4``, ``x8``): the same bytes in flight spread over
+  more blocks, as cub's DeviceTransform streams with one copy per block and several blocks per SM.
 
 Reports GB/s, % of copy bandwidth and microseconds per slot per block. Writes ``bulk_stream.json/md``.
 
@@ -30,7 +31,7 @@ MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
 VARIANTS = [("ring", 3, 32, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
             ("producer", 3, 32, 1), ("producer", 6, 32, 1), ("split4", 3, 32, 1), ("split4", 6, 32, 1),
-            ("ring", 3, 32, 2), ("producer", 3, 32, 2)]
+            ("ring", 3, 32, 2), ("producer", 3, 32, 2), ("ring", 2, 16, 4), ("ring", 1, 32, 4), ("ring", 1, 16, 8)]
 
 
 def main() -> None:
@@ -45,12 +46,12 @@ def main() -> None:
     bw = copy_bandwidth_gbps()
     nbytes = args.mib * 2**20
     bufs = [torch.zeros(nbytes // 4, dtype=torch.int32, device="cuda") for _ in range(2)]
-    sink = torch.zeros(2 * sms, dtype=torch.int32, device="cuda")
+    sink = torch.zeros(max(v[3] for v in VARIANTS) * sms, dtype=torch.int32, device="cuda")
     op = torch.ops.segki_bulk_stream.stream
     rows = []
     for mode, slots, kb, per_sm in VARIANTS:
         blocks = per_sm * sms
-        row = dict(variant=f"{mode} {slots}x{kb}K" + (" x2" if per_sm == 2 else ""), blocks=blocks)
+        row = dict(variant=f"{mode} {slots}x{kb}K" + (f" x{per_sm}" if per_sm > 1 else ""), blocks=blocks)
         fns = [lambda b=b: op(b, MODES[mode], blocks, slots, kb * 1024, sink) for b in bufs]
         try:
             us = graph_time_us(fns, calls=4, reps=7)
