@@ -99,7 +99,7 @@ def bench_attention(model, valid, cache, bw):
     k, v = rand(1, hkv, cache, d), rand(1, hkv, cache, d)
     lengths = torch.full((1,), valid, device="cuda", dtype=torch.int32)
     moved = 2 * valid * hkv * d * 2 + nbytes(q) * 2
-    return row(model, f"decode_attention {valid // 1024}k valid / {cache // 1024}k cache", 1, moved,
+    return row(model, f"decode_attention {valid / 1024:g}k valid / {cache / 1024:g}k cache", 1, moved,
                graph_time_us([lambda: torch.ops.segki.decode_attention(q, k, v, lengths, d**-0.5)]),
                graph_time_us([lambda: R.decode_attention(q, k, v, lengths, d**-0.5)], calls=8), bw)
 
@@ -163,7 +163,12 @@ def main() -> None:
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 32])
     ap.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
                     help="kernel groups to measure (default: all)")
+    ap.add_argument("--attn-valid", nargs="+", type=int, default=None,
+                    help="decode attention at these valid lengths in a 32k cache (default: 8k and 32k valid in "
+                         "8k and 32k caches, and 512 valid in a 32k cache)")
     args = ap.parse_args()
+    if args.attn_valid and not all(0 <= n <= 32768 for n in args.attn_valid):
+        ap.error(f"--attn-valid {args.attn_valid}: each length must fit the 32k cache (0-32768)")
     if native_ops() is None:
         sys.exit("the segki extension is not available on this machine")
     bw = copy_bandwidth_gbps()
@@ -185,7 +190,9 @@ def main() -> None:
                 for t in (0.0, 1.0):
                     rows.append(bench_sampling(model, batch, t, bw))
         if "attention" in on:
-            for valid, cache in ((8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)):
+            pairs = ([(n, 32768) for n in args.attn_valid] if args.attn_valid
+                     else [(8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)])
+            for valid, cache in pairs:
                 rows.append(bench_attention(model, valid, cache, bw))
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
