@@ -689,8 +689,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArg
 template <typename T, Epilogue EPI>
 bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   static const bool enabled = env_is("SEGKI_GEMV_BULK", "1") && at::cuda::getCurrentDeviceProperties()->major >= 9;
+  if (!enabled) return false;
   const long row_bytes = (long)a.k * sizeof(T) * (EPI == Epilogue::SiluMul ? 2 : 1);
-  if (!enabled || row_bytes > kBulkChunkBytes) return false;
+  if (row_bytes > kBulkChunkBytes) return false;
   for (int i = 0; i < a.nw; ++i)
     if (reinterpret_cast<uintptr_t>(a.w[i]) % 16 != 0) return false;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -759,6 +760,19 @@ void launch_tiles(const GemvArgs<T>& a, int tiles, bool one_stage_9_to_16) {
   }
   SEGKI_GEMV_CASE(1) SEGKI_GEMV_CASE(2) SEGKI_GEMV_CASE(4) SEGKI_GEMV_CASE(8)
 #undef SEGKI_GEMV_CASE
+}
+
+// One launch of the family for at most 64 rows of x: tensor cores from 5 rows, else the copy-engine path where
+// it is on and takes the inputs, else the register path.
+template <typename T, Epilogue EPI>
+void launch_family(const GemvArgs<T>& a, const RowStart& rs, bool one_stage_9_to_16) {
+  constexpr bool gated = EPI == Epilogue::SiluMul;
+  if (a.m > kMaxSmallRows) {
+    launch_tiles<T, EPI>(a, a.tile_start[gated ? 1 : a.nw], one_stage_9_to_16);
+    return;
+  }
+  const int rows = gated ? a.n[0] : rs.v[a.nw];  // outputs per row of x
+  if (!launch_bulk<T, EPI>(a, rs, rows)) launch_small<T, EPI>(a, rs, rows);
 }
 
 // Validates, allocates outputs [..., N_i], and runs over row chunks of at most 64 rows.
@@ -839,15 +853,8 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
       }
       RowStart rs{};
       for (int i = 0; i < a.nw; ++i) rs.v[i + 1] = rs.v[i] + a.n[i];
-      const bool small = a.m <= kMaxSmallRows;
-      if (epi == Epilogue::SiluMul) {
-        if (!small) launch_tiles<T, Epilogue::SiluMul>(a, a.tile_start[1], one_stage_9_to_16);
-        else if (!launch_bulk<T, Epilogue::SiluMul>(a, rs, a.n[0])) launch_small<T, Epilogue::SiluMul>(a, rs, a.n[0]);
-      } else {
-        if (!small) launch_tiles<T, Epilogue::Plain>(a, a.tile_start[a.nw], one_stage_9_to_16);
-        else if (!launch_bulk<T, Epilogue::Plain>(a, rs, rs.v[a.nw]))
-          launch_small<T, Epilogue::Plain>(a, rs, rs.v[a.nw]);
-      }
+      if (epi == Epilogue::SiluMul) launch_family<T, Epilogue::SiluMul>(a, rs, one_stage_9_to_16);
+      else launch_family<T, Epilogue::Plain>(a, rs, one_stage_9_to_16);
     }
   });
   return outs;
