@@ -30,10 +30,6 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   return done != 0;
 }
 
-__device__ __forceinline__ void mbar_init_count(uint64_t* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
@@ -78,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
   if (threadIdx.x == 0) {
     for (int s = 0; s < slots; ++s) {
       mbar_init(&full[s]);
-      mbar_init_count(&empty[s], kThreads / 32 - 1);
+      mbar_init(&empty[s], kThreads / 32 - 1);
     }
     bulk_fence_init();
   }

@@ -14,11 +14,11 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// An mbarrier for one arrival (the thread that issues the copies) plus their bytes. Make it visible to the copy
-// engine with bulk_fence_init() before the first copy.
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
+// An mbarrier whose phase completes after `arrivals` arrivals (one: the thread that issues the copies) plus the
+// bytes they expect. Make it visible to the copy engine with bulk_fence_init() before the first copy.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, unsigned arrivals = 1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(arrivals) : "memory");
 #endif
 }
 
