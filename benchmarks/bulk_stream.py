@@ -11,12 +11,16 @@ one or two blocks per SM with nothing but a fold of the words, in variants that 
   mbarrier, with no block barrier (a refill held back by the slowest warp would show here);
 - ``split4``: ``ring`` with each slot filled by four copies from four lanes (copies of one block served one at
   a time would show here);
+- ``loads``: no copy engine, each thread keeps four 16-byte register loads in flight (the register path's rate
+  on the same shares, for reference);
 - any of them at two, four or eight blocks per SM (``x2``, ``x4``, ``x8``): the same bytes in flight spread over
   more blocks, as cub's DeviceTransform streams with one copy per block and several blocks per SM.
 
-Reports GB/s, % of copy bandwidth and microseconds per slot per block. Writes ``bulk_stream.json/md``.
+Each variant runs at every ``--mib`` size: 1024 MiB measures the steady state (~8 MB per block), 16 MiB a
+GEMV-sized weight (~4 slots per block), where the first slot's latency and the tail count. Reports GB/s, % of
+copy bandwidth and microseconds per slot per block. Writes ``bulk_stream.json/md``.
 
-    python benchmarks/bulk_stream.py --out DIR [--mib 1024]
+    python benchmarks/bulk_stream.py --out DIR [--mib 1024 16]
 """
 from __future__ import annotations
 
@@ -27,47 +31,56 @@ import torch
 
 from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
 
-MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3}
+MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
 VARIANTS = [("ring", 3, 32, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
             ("producer", 3, 32, 1), ("producer", 6, 32, 1), ("split4", 3, 32, 1), ("split4", 6, 32, 1),
-            ("ring", 3, 32, 2), ("producer", 3, 32, 2), ("ring", 2, 16, 4), ("ring", 1, 32, 4), ("ring", 1, 16, 8)]
+            ("ring", 3, 32, 2), ("producer", 3, 32, 2), ("ring", 2, 16, 4), ("ring", 1, 32, 4), ("ring", 1, 16, 8),
+            ("loads", 1, 16, 2), ("loads", 1, 16, 4), ("loads", 1, 16, 8)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--mib", type=int, default=1024, help="bytes streamed per call, over all blocks")
+    ap.add_argument("--mib", type=int, nargs="+", default=[1024, 16], help="MiB streamed per call, over all blocks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     build_bench_ops("bulk_stream")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth_gbps()
-    nbytes = args.mib * 2**20
-    bufs = [torch.zeros(nbytes // 4, dtype=torch.int32, device="cuda") for _ in range(2)]
+    bufs = [torch.zeros(max(args.mib) * 2**18, dtype=torch.int32, device="cuda") for _ in range(2)]
     sink = torch.zeros(max(v[3] for v in VARIANTS) * sms, dtype=torch.int32, device="cuda")
     op = torch.ops.segki_bulk_stream.stream
     rows = []
-    for mode, slots, kb, per_sm in VARIANTS:
-        blocks = per_sm * sms
-        row = dict(variant=f"{mode} {slots}x{kb}K" + (f" x{per_sm}" if per_sm > 1 else ""), blocks=blocks)
-        fns = [lambda b=b: op(b, MODES[mode], blocks, slots, kb * 1024, sink) for b in bufs]
-        try:
-            us = graph_time_us(fns, calls=4, reps=7)
-        except RuntimeError as err:
-            row["error"] = str(err).splitlines()[0][:160]
-        else:
-            slots_per_block = nbytes / blocks / (kb * 1024)
-            gbps = nbytes / us / 1e3
-            row.update(us=round(us, 1), gbps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1),
-                       us_per_slot=round(us / slots_per_block, 3))
-        print(row, flush=True)
-        rows.append(row)
+    for mib in args.mib:
+        for mode, slots, kb, per_sm in VARIANTS:
+            blocks = per_sm * sms
+            chunk = kb * 1024
+            chunks_per_block = mib * 2**20 // blocks // chunk  # the op streams whole chunks only
+            row = dict(mib=mib, variant=f"{mode} {slots}x{kb}K" + (f" x{per_sm}" if per_sm > 1 else ""),
+                       blocks=blocks, slots_per_block=chunks_per_block)
+            if chunks_per_block == 0:
+                rows.append(dict(row, error="less than one slot per block"))
+                continue
+            # distinct slices, 256 MiB or more in all, so that no call finds its bytes in L2
+            n = max(2, 256 // mib)
+            views = [bufs[i % 2][(i // 2) * mib * 2**18:(i // 2 + 1) * mib * 2**18] for i in range(n)]
+            fns = [lambda v=v: op(v, MODES[mode], blocks, slots, chunk, sink) for v in views]
+            try:
+                us = graph_time_us(fns, calls=4 if mib >= 256 else 32, reps=7)
+            except RuntimeError as err:
+                row["error"] = str(err).splitlines()[0][:160]
+            else:
+                gbps = blocks * chunks_per_block * chunk / us / 1e3
+                row.update(us=round(us, 2), gbps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1),
+                           us_per_slot=round(us / chunks_per_block, 3))
+            print(row, flush=True)
+            rows.append(row)
     header = (f"# One block's stream through the copy engine ({torch.cuda.get_device_name(0)}, {sms} SMs, "
-              f"{args.mib} MiB a call, copy bandwidth {bw:.0f} GB/s)\n\n"
-              f"Command: `python benchmarks/bulk_stream.py --out DIR --mib {args.mib}`")
-    columns = ["variant", "blocks", "us", "gbps", "pct_copy", "us_per_slot", "error"]
+              f"copy bandwidth {bw:.0f} GB/s)\n\n"
+              f"Command: `python benchmarks/bulk_stream.py --out DIR --mib {' '.join(map(str, args.mib))}`")
+    columns = ["mib", "variant", "blocks", "slots_per_block", "us", "gbps", "pct_copy", "us_per_slot", "error"]
     write_results(args.out, "bulk_stream", rows, columns, header)
 
 

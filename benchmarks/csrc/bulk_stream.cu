@@ -7,7 +7,9 @@
 //   kPoll      the same, waiting with test_wait polls instead of try_wait;
 //   kProducer  warp 0 only issues: it refills a slot as soon as the 7 reading warps have arrived on the slot's
 //              `empty` barrier, with no block barrier (the warp-specialized pipeline);
-//   kSplit4    kRing with each slot filled by four copies from four lanes.
+//   kSplit4    kRing with each slot filled by four copies from four lanes;
+//   kLoads     no copy engine: each thread loads 4 x 16 bytes of every chunk (chunk = 16 KB) into registers, all
+//              four in flight before it folds them (the register path's rate on the same share, for reference).
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -18,7 +20,7 @@ using namespace segki;
 
 constexpr int kThreads = 256;
 constexpr int kMaxSlots = 16;
-enum Mode { kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3 };
+enum Mode { kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4 };
 
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   unsigned done;
@@ -80,7 +82,16 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
   }
   __syncthreads();
   unsigned acc = 0;
-  if constexpr (MODE == kProducer) {
+  if constexpr (MODE == kLoads) {
+    for (int c = 0; c < chunks; ++c) {
+      const uint4* p = src + (size_t)c * chunk16 + threadIdx.x;
+      uint4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) v[u] = __ldg(p + u * kThreads);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+  } else if constexpr (MODE == kProducer) {
     if (warp == 0) {
       for (int c = 0; c < chunks; ++c) {
         if (c >= slots) mbar_wait(&empty[c % slots], (unsigned)(c / slots - 1) & 1u);
@@ -124,14 +135,15 @@ void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, 
             at::Tensor& sink) {
   TORCH_CHECK(buf.is_cuda() && buf.is_contiguous(), "buf must be a contiguous CUDA tensor");
   TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks, "sink: >= blocks int32");
-  TORCH_CHECK(mode >= 0 && mode <= 3 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
-              "mode 0-3, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(mode >= 0 && mode <= 4 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
+              "mode 0-4, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(mode != kLoads || chunk_bytes == kThreads * 64, "loads: the chunk is one round, 16 KB");
   const size_t per_block16 = buf.nbytes() / 16 / blocks / (chunk_bytes / 16) * (chunk_bytes / 16);
   TORCH_CHECK(per_block16 > 0, "buf too small for one chunk per block");
-  const int smem = (int)(slots * chunk_bytes);
+  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes);
   using Kernel = void (*)(const uint4*, size_t, int, int, unsigned*);
   const Kernel kernels[] = {stream_kernel<kRing>, stream_kernel<kPoll>, stream_kernel<kProducer>,
-                            stream_kernel<kSplit4>};
+                            stream_kernel<kSplit4>, stream_kernel<kLoads>};
   const Kernel kernel = kernels[mode];
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<(unsigned)blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
