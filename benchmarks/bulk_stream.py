@@ -11,6 +11,9 @@ one or two blocks per SM with nothing but a fold of the words, in variants that 
   mbarrier, with no block barrier (a refill held back by the slowest warp would show here);
 - ``split4``: ``ring`` with each slot filled by four copies from four lanes (copies of one block served one at
   a time would show here);
+- ``store``: ``ring`` where each warp also stores a word to global memory per slot, as the GEMV stores its
+  outputs; ``store_nofence``: the same with the refill's proxy fence left out (it compiles to a memory barrier
+  that may wait for the warp's stores);
 - ``loads``: no copy engine, each thread keeps four 16-byte register loads in flight (the register path's rate
   on the same shares, for reference);
 - any of them at two, four or eight blocks per SM (``x2``, ``x4``, ``x8``): the same bytes in flight spread over
@@ -31,9 +34,10 @@ import torch
 
 from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
 
-MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4}
+MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4, "store": 5, "store_nofence": 6}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
-VARIANTS = [("ring", 3, 32, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
+VARIANTS = [("ring", 3, 32, 1), ("store", 3, 32, 1), ("store_nofence", 3, 32, 1), ("store", 3, 16, 1),
+            ("store_nofence", 3, 16, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
             ("producer", 3, 32, 1), ("producer", 6, 32, 1), ("split4", 3, 32, 1), ("split4", 6, 32, 1),
             ("ring", 3, 32, 2), ("producer", 3, 32, 2), ("ring", 2, 16, 4), ("ring", 1, 32, 4), ("ring", 1, 16, 8),
             ("loads", 1, 16, 2), ("loads", 1, 16, 4), ("loads", 1, 16, 8)]
@@ -50,7 +54,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw = copy_bandwidth_gbps()
     bufs = [torch.zeros(max(args.mib) * 2**18, dtype=torch.int32, device="cuda") for _ in range(2)]
-    sink = torch.zeros(max(v[3] for v in VARIANTS) * sms, dtype=torch.int32, device="cuda")
+    sink = torch.zeros(max(v[3] for v in VARIANTS) * sms * 16, dtype=torch.int32, device="cuda")
     op = torch.ops.segki_bulk_stream.stream
     rows = []
     for mib in args.mib:

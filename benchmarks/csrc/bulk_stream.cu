@@ -8,6 +8,10 @@
 //   kProducer  warp 0 only issues: it refills a slot as soon as the 7 reading warps have arrived on the slot's
 //              `empty` barrier, with no block barrier (the warp-specialized pipeline);
 //   kSplit4    kRing with each slot filled by four copies from four lanes;
+//   kStore     kRing where every warp's lane 0 also stores one word to global memory per slot before the block
+//              barrier, as the GEMV stores its outputs (the refill's proxy fence compiles to MEMBAR.ALL.CTA: if
+//              that waits for the issuing warp's stores, each refill pays a round trip);
+//   kStoreNoFence  kStore whose refill has no proxy fence (the block barrier alone orders the reads before it);
 //   kLoads     no copy engine: each thread loads 4 x 16 bytes of every chunk (chunk = 16 KB) into registers, all
 //              four in flight before it folds them (the register path's rate on the same share, for reference).
 #include "bulk.cuh"
@@ -20,7 +24,7 @@ using namespace segki;
 
 constexpr int kThreads = 256;
 constexpr int kMaxSlots = 16;
-enum Mode { kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4 };
+enum Mode { kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4, kStore = 5, kStoreNoFence = 6 };
 
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   unsigned done;
@@ -120,9 +124,11 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
         mbar_wait(&full[slot], parity);
       }
       acc ^= fold(ring + (size_t)slot * chunk16, chunk16, threadIdx.x, kThreads);
+      if constexpr (MODE == kStore || MODE == kStoreNoFence)
+        if ((threadIdx.x & 31) == 0) sink[(blockIdx.x * (kThreads / 32) + warp) * 2 + (c & 1)] = acc;
       __syncthreads();  // every thread is done with the slot
       if (warp == 0 && c + slots < chunks) {
-        bulk_fence_reuse();
+        if constexpr (MODE != kStoreNoFence) bulk_fence_reuse();
         issue<MODE>(ring, full, src, c + slots, slots, chunk16);
       }
     }
@@ -134,16 +140,18 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
 void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, int64_t chunk_bytes,
             at::Tensor& sink) {
   TORCH_CHECK(buf.is_cuda() && buf.is_contiguous(), "buf must be a contiguous CUDA tensor");
-  TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks, "sink: >= blocks int32");
-  TORCH_CHECK(mode >= 0 && mode <= 4 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
-              "mode 0-4, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks * (kThreads / 32) * 2,
+              "sink: >= 16 int32 per block");
+  TORCH_CHECK(mode >= 0 && mode <= 6 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
+              "mode 0-6, 1-16 slots, chunk a multiple of 64 bytes");
   TORCH_CHECK(mode != kLoads || chunk_bytes == kThreads * 64, "loads: the chunk is one round, 16 KB");
   const size_t per_block16 = buf.nbytes() / 16 / blocks / (chunk_bytes / 16) * (chunk_bytes / 16);
   TORCH_CHECK(per_block16 > 0, "buf too small for one chunk per block");
   const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes);
   using Kernel = void (*)(const uint4*, size_t, int, int, unsigned*);
   const Kernel kernels[] = {stream_kernel<kRing>, stream_kernel<kPoll>, stream_kernel<kProducer>,
-                            stream_kernel<kSplit4>, stream_kernel<kLoads>};
+                            stream_kernel<kSplit4>, stream_kernel<kLoads>,
+                            stream_kernel<kStore>, stream_kernel<kStoreNoFence>};
   const Kernel kernel = kernels[mode];
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<(unsigned)blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(

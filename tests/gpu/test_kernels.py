@@ -363,16 +363,18 @@ def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
 def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
     """The 1-4 row GEMV that streams weights into shared memory with the copy engine (``SEGKI_GEMV_BULK=1``)
     sums each row as the register path does when both take a row's K whole: shapes where every block of the
-    copy-engine path gets one chunk of 16 (single projection, K = 1024) or 8 (gated front) rows and the
-    register path does not split K. The outputs are bit-identical, residual epilogue included."""
+    copy-engine path gets chunks of 16 (single projection, K = 1024) or 8 (gated front) rows and the register
+    path does not split K. Six chunks per block, so every slot of the ring is refilled while the others are in
+    flight. The outputs are bit-identical, residual epilogue included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k = 1024
+    k, chunks = 1024, 6
     cases = []
     for batch in (1, 2, 3, 4):
         x = randn(batch, k, dtype=torch.bfloat16).cpu()
-        w = randn(16 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu()
-        cases.append((x, [w], randn(batch, 16 * sms, dtype=torch.bfloat16).cpu()))
-        cases.append((x, [randn(8 * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)], None))
+        w = randn(16 * chunks * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu()
+        cases.append((x, [w], randn(batch, 16 * chunks * sms, dtype=torch.bfloat16).cpu()))
+        cases.append((x, [randn(8 * chunks * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)],
+                      None))
     assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "0"))
 
 
