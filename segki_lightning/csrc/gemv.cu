@@ -612,9 +612,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArg
   __shared__ float red[kWarps][NACC][MAXM];
   T* xs = reinterpret_cast<T*>(bulk_smem);
   T* ring = xs + plan.x_elems;
-  const int rpc = plan.rows_per_chunk;  // (32-bit products: at most 2^31 / SMs output rows, checked at launch)
-  const int begin = (int)(blockIdx.x * (unsigned)plan.items / gridDim.x);
-  const int end = (int)((blockIdx.x + 1) * (unsigned)plan.items / gridDim.x);
+  const int rpc = plan.rows_per_chunk;
+  const int begin = (int)((long long)blockIdx.x * plan.items / gridDim.x);
+  const int end = (int)((long long)(blockIdx.x + 1) * plan.items / gridDim.x);
   const size_t slot_elems = (size_t)NACC * rpc * a.k;
   int ahead = begin;  // thread 0: the first row not yet requested
   if (threadIdx.x == 0) {  // weights only: safe before the wait
@@ -686,28 +686,30 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArg
   }
 }
 
-// The copy-engine path under SEGKI_GEMV_BULK=1, where it takes the inputs: an sm_90 device, a weight row (the gate
+// The copy-engine path under SEGKI_GEMV_BULK=1 or =grid, where it takes the inputs: an sm_90 device, a weight row (the gate
 // and up rows together) within one slot and a second slot beside x, every weight 16-byte aligned. Returns false
 // otherwise (the register path runs).
 template <typename T, Epilogue EPI>
 bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
-  static const bool enabled = env_is("SEGKI_GEMV_BULK", "1") && at::cuda::getCurrentDeviceProperties()->major >= 9;
-  if (!enabled) return false;
+  // "1": one block per SM streams its range through the ring; "grid": one block per chunk (two slots, for a
+  // chunk that ends at a weight's last row), several resident per SM, each chunk requested before the PDL wait
+  static const bool ring = env_is("SEGKI_GEMV_BULK", "1"), grid = env_is("SEGKI_GEMV_BULK", "grid");
+  if (!(ring || grid) || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
   const long row_bytes = (long)a.k * sizeof(T) * (EPI == Epilogue::SiluMul ? 2 : 1);
   if (row_bytes > kBulkChunkBytes) return false;
   for (int i = 0; i < a.nw; ++i)
     if (reinterpret_cast<uintptr_t>(a.w[i]) % 16 != 0) return false;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if ((long)total_rows * sms >= (1L << 31)) return false;
   BulkPlan plan;
   plan.items = total_rows;
   plan.rows_per_chunk = (int)(kBulkChunkBytes / row_bytes);
   const long x_bytes = ((long)a.m * a.k * sizeof(T) + 127) / 128 * 128;
   plan.x_elems = (int)(x_bytes / sizeof(T));
-  plan.slots = (int)std::min<long>(kBulkMaxSlots, (kBulkSmemBytes - x_bytes) / (plan.rows_per_chunk * row_bytes));
+  plan.slots = (int)std::min<long>(grid ? 2 : kBulkMaxSlots,
+                                   (kBulkSmemBytes - x_bytes) / (plan.rows_per_chunk * row_bytes));
   if (plan.slots < 2) return false;  // x leaves no room for a second chunk in flight
   const int smem = (int)(x_bytes + plan.slots * plan.rows_per_chunk * row_bytes);
-  const int blocks = std::min(sms, total_rows);
+  const int blocks = grid ? (total_rows + plan.rows_per_chunk - 1) / plan.rows_per_chunk : std::min(sms, total_rows);
   auto stream = at::cuda::getCurrentCUDAStream();
 #define SEGKI_BULK_CASE(M)                                                                                 \
   if (a.m <= M) {                                                                                         \

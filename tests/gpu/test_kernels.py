@@ -361,11 +361,11 @@ def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
 
 
 def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
-    """The 1-4 row GEMV that streams weights into shared memory with the copy engine (``SEGKI_GEMV_BULK=1``)
-    sums each row as the register path does when both take a row's K whole: shapes where every block of the
-    copy-engine path gets chunks of 16 (single projection, K = 1024) or 8 (gated front) rows and the register
-    path does not split K. Six chunks per block, so every slot of the ring is refilled while the others are in
-    flight. The outputs are bit-identical, residual epilogue included."""
+    """The 1-4 row GEMV that streams weights into shared memory with the copy engine sums each row as the
+    register path does when both take a row's K whole: shapes with chunks of 16 (single projection, K = 1024) or
+    8 (gated front) rows, where the register path does not split K. Under ``SEGKI_GEMV_BULK=1`` a block streams
+    six chunks, so every slot of its ring is refilled while the others are in flight; under ``=grid`` each block
+    takes one chunk. The outputs are bit-identical, residual epilogue included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     k, chunks = 1024, 6
     cases = []
@@ -375,7 +375,7 @@ def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
         cases.append((x, [w], randn(batch, 16 * chunks * sms, dtype=torch.bfloat16).cpu()))
         cases.append((x, [randn(8 * chunks * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)],
                       None))
-    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "0"))
+    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "grid", "0"))
 
 
 BAD_INPUT_CALLS = """
