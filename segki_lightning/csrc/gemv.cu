@@ -509,27 +509,29 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
 #undef SEGKI_SMALL_CASE
 }
 
-// ---- small batches through the copy engine (sm_90; opt-in with SEGKI_GEMV_BULK=1, 1-4 rows): one block per SM
-// owns a contiguous range of output rows and streams their weight rows into shared memory with cp.async.bulk
-// through a ring of slots, the first slots issued before the PDL wait -- so a kernel's weights are in flight while
-// the previous kernel finishes, and no register holds a load. x and the ring take at most 108 KB, so a block of
-// the next GEMV fits on the SM beside this one and does the same. The warps read x (staged once) and the rows from
-// shared memory, each lane the same 8 consecutive columns of every 256 as row_dot: a chunk of 8 or more rows sums
-// in row_dot's order with one K part (bit-equal to the register path where that has one part too); a chunk of
-// fewer rows splits each row's stretches over the idle warps and sums the parts in part order.
-// Why it is not the default (`results/bulk_gemv/`): launch_vs_barrier.py had streamed 4-16 MiB phases at
-// 2.9-3.8 TB/s this way, but there most of a phase was requested during the previous phase. Within one kernel a
-// block completes one slot per ~1.5 us whatever the slot (16 or 30 KB) or ring (96 or 220 KB) size, ~2.4 TB/s:
-// 4B lm_head 524 us against 304 on the register path, 0.8B decode b=1 862 against 1038 tok/s. It wins only where
-// a block's whole share is one slot requested before the wait: 0.8B o_proj 2.51 against 3.46 us at one row.
+// ---- small batches through the copy engine (sm_90, 1-4 rows): one block per chunk of output rows (at most
+// 32 KB of their weight rows) copies the chunk into shared memory with cp.async.bulk before the PDL wait -- so a
+// kernel's weights are in flight while the previous kernel finishes, and no register holds a load -- then reads
+// x (staged once) and the rows from shared memory, each lane the same 8 consecutive columns of every 256 as
+// row_dot: a chunk of 8 or more rows sums in row_dot's order with one K part (bit-equal to the register path
+// where that has one part too); a chunk of fewer rows splits each row's stretches over the idle warps and sums
+// the parts in part order. A block whose rows span weights takes one chunk per weight through two slots (a
+// third and later wait for a slot to be read).
+// Where it runs (`results/bulk_grid/`): weights of at most 16 MiB, or rows of at most 2 KB -- the 0.8B model's
+// projections and output head, where the register path pays its ramp and tail per launch or keeps too few bytes
+// in flight per warp: 0.8B decode b=1 1042 -> 1104 tok/s, b=4 3261 -> 3373. The 4B shapes (21-1272 MB, rows of
+// 5-18 KB) stay on the register path, which streams them at 60-100 % of copy bandwidth (this path: 52-82 %,
+// 4B decode b=1 323 -> 293). One block per SM streaming its whole range through a ring lost everywhere but the
+// one-chunk o_proj (a block completed one slot per ~1.5 us, 0.8B decode b=1 872; `results/bulk_gemv/`).
 constexpr int kBulkChunkBytes = 32 * 1024;  // weight bytes per slot, at most
-constexpr int kBulkSmemBytes = 108 * 1024;  // x and the ring: two blocks fit one SM's 228 KB
-constexpr int kBulkMaxSlots = 8;
+constexpr int kBulkSmemBytes = 108 * 1024;  // x and the two slots, at most
+constexpr int kBulkSlots = 2;
+constexpr long kBulkMaxWeightBytes = 16L << 20;  // the routing rule above
+constexpr int kBulkMaxRowBytes = 2048;
 
 struct BulkPlan {
   int items;           // output rows (of the gated front: SiLU(gate) * up values) per row of x
   int rows_per_chunk;  // rows of each streamed weight per slot
-  int slots;
   int x_elems;         // x's place at the start of shared memory (its m * K elements, rounded up to 128 bytes)
 };
 
@@ -604,11 +606,11 @@ __device__ __forceinline__ float lane_value(const float (&acc)[MAXM], int lane) 
 }
 
 template <typename T, int MAXM, Epilogue EPI>
-__global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArgs<T> a, const RowStart rs,
+__global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArgs<T> a, const RowStart rs,
                                                                   const BulkPlan plan) {
   constexpr int NACC = EPI == Epilogue::SiluMul ? 2 : 1;
   extern __shared__ __align__(128) unsigned char bulk_smem[];  // x [m][K], then the ring [slots][NACC][rpc][K]
-  __shared__ __align__(8) uint64_t full[kBulkMaxSlots];
+  __shared__ __align__(8) uint64_t full[kBulkSlots];
   __shared__ float red[kWarps][NACC][MAXM];
   T* xs = reinterpret_cast<T*>(bulk_smem);
   T* ring = xs + plan.x_elems;
@@ -618,9 +620,9 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArg
   const size_t slot_elems = (size_t)NACC * rpc * a.k;
   int ahead = begin;  // thread 0: the first row not yet requested
   if (threadIdx.x == 0) {  // weights only: safe before the wait
-    for (int s = 0; s < plan.slots; ++s) mbar_init(&full[s]);
+    for (int s = 0; s < kBulkSlots; ++s) mbar_init(&full[s]);
     bulk_fence_init();
-    for (int s = 0; s < plan.slots && ahead < end; ++s) {
+    for (int s = 0; s < kBulkSlots && ahead < end; ++s) {
       const BulkChunk ch = bulk_chunk<T, EPI>(a, rs, ahead, end, rpc);
       bulk_issue<T, EPI>(a, ch, ring + s * slot_elems, &full[s]);
       ahead += ch.rows;
@@ -640,11 +642,11 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArg
     int parts = 1;  // warps per row: the chunk's rows share the 8 warps
     while (parts * 2 * ch.rows <= kWarps) parts *= 2;
     const int part = warp % parts, first = warp / parts, stride = kWarps / parts;
-    const int slot = c % plan.slots;
+    const int slot = c % kBulkSlots;
     if constexpr (EPI == Epilogue::Plain)  // the storing lanes' epilogue reads into L1 while the copies land
       if (part == 0 && lane < a.m)
         for (int r = first; r < ch.rows; r += stride) prefetch_epilogue<T>(a, ch.wi, ch.row + r, lane);
-    mbar_wait(&full[slot], (unsigned)(c / plan.slots) & 1u);
+    mbar_wait(&full[slot], (unsigned)(c / kBulkSlots) & 1u);
     const T* w = ring + slot * slot_elems;
     for (int r = first; r < ch.rows; r += stride) {
       float acc[NACC][MAXM] = {};
@@ -686,30 +688,27 @@ __global__ void __launch_bounds__(kWarps * 32, 2) gemv_bulk_kernel(const GemvArg
   }
 }
 
-// The copy-engine path under SEGKI_GEMV_BULK=1 or =grid, where it takes the inputs: an sm_90 device, a weight row (the gate
-// and up rows together) within one slot and a second slot beside x, every weight 16-byte aligned. Returns false
-// otherwise (the register path runs).
+// The copy-engine path where it takes the inputs: an sm_90 device, a weight row (the gate and up rows together)
+// within one slot, x and two slots within kBulkSmemBytes, every weight 16-byte aligned, and the routing rule
+// (SEGKI_GEMV_BULK=1: wherever it can run; =0: nowhere). Returns false otherwise (the register path runs).
 template <typename T, Epilogue EPI>
 bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
-  // "1": one block per SM streams its range through the ring; "grid": one block per chunk (two slots, for a
-  // chunk that ends at a weight's last row), several resident per SM, each chunk requested before the PDL wait
-  static const bool ring = env_is("SEGKI_GEMV_BULK", "1"), grid = env_is("SEGKI_GEMV_BULK", "grid");
-  if (!(ring || grid) || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
+  static const bool never = env_is("SEGKI_GEMV_BULK", "0"), always = env_is("SEGKI_GEMV_BULK", "1");
+  if (never || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
   const long row_bytes = (long)a.k * sizeof(T) * (EPI == Epilogue::SiluMul ? 2 : 1);
+  if (!always && (long)total_rows * row_bytes > kBulkMaxWeightBytes && (long)a.k * sizeof(T) > kBulkMaxRowBytes)
+    return false;
   if (row_bytes > kBulkChunkBytes) return false;
   for (int i = 0; i < a.nw; ++i)
     if (reinterpret_cast<uintptr_t>(a.w[i]) % 16 != 0) return false;
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   BulkPlan plan;
   plan.items = total_rows;
   plan.rows_per_chunk = (int)(kBulkChunkBytes / row_bytes);
   const long x_bytes = ((long)a.m * a.k * sizeof(T) + 127) / 128 * 128;
   plan.x_elems = (int)(x_bytes / sizeof(T));
-  plan.slots = (int)std::min<long>(grid ? 2 : kBulkMaxSlots,
-                                   (kBulkSmemBytes - x_bytes) / (plan.rows_per_chunk * row_bytes));
-  if (plan.slots < 2) return false;  // x leaves no room for a second chunk in flight
-  const int smem = (int)(x_bytes + plan.slots * plan.rows_per_chunk * row_bytes);
-  const int blocks = grid ? (total_rows + plan.rows_per_chunk - 1) / plan.rows_per_chunk : std::min(sms, total_rows);
+  const long smem = x_bytes + kBulkSlots * plan.rows_per_chunk * row_bytes;
+  if (smem > kBulkSmemBytes) return false;
+  const int blocks = (total_rows + plan.rows_per_chunk - 1) / plan.rows_per_chunk;
   auto stream = at::cuda::getCurrentCUDAStream();
 #define SEGKI_BULK_CASE(M)                                                                                 \
   if (a.m <= M) {                                                                                         \
@@ -719,7 +718,7 @@ bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
       return true;                                                                                        \
     }();                                                                                                  \
     (void)attr;                                                                                           \
-    launch_pdl_smem(gemv_bulk_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), smem, stream, dim3(1), a, rs, \
+    launch_pdl_smem(gemv_bulk_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), (int)smem, stream, dim3(1), a, rs, \
                     plan);                                                                                \
     return true;                                                                                          \
   }

@@ -361,21 +361,25 @@ def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
 
 
 def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
-    """The 1-4 row GEMV that streams weights into shared memory with the copy engine sums each row as the
-    register path does when both take a row's K whole: shapes with chunks of 16 (single projection, K = 1024) or
-    8 (gated front) rows, where the register path does not split K. Under ``SEGKI_GEMV_BULK=1`` a block streams
-    six chunks, so every slot of its ring is refilled while the others are in flight; under ``=grid`` each block
-    takes one chunk. The outputs are bit-identical, residual epilogue included."""
+    """The 1-4 row GEMV that copies each block's chunk of weight rows into shared memory with the copy engine
+    (``SEGKI_GEMV_BULK=1``) sums each row as the register path (``=0``) does when both take a row's K whole:
+    K = 1024, chunks of 16 (single projection, a partial last chunk) or 8 (gated front) rows, where the register
+    path does not split K. The four-weight case has two weights of 5 and 3 rows, so some blocks take three or four
+    chunks through their two slots and refill one. The outputs are bit-identical, residual epilogue included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k, chunks = 1024, 6
+    k = 1024
+
+    def w(rows):
+        return randn(rows, k, dtype=torch.bfloat16, scale=k**-0.5).cpu()
+
     cases = []
     for batch in (1, 2, 3, 4):
         x = randn(batch, k, dtype=torch.bfloat16).cpu()
-        w = randn(16 * chunks * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu()
-        cases.append((x, [w], randn(batch, 16 * chunks * sms, dtype=torch.bfloat16).cpu()))
-        cases.append((x, [randn(8 * chunks * sms, k, dtype=torch.bfloat16, scale=k**-0.5).cpu() for _ in range(2)],
-                      None))
-    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "grid", "0"))
+        rows = 16 * 2 * sms + 7
+        cases.append((x, [w(rows)], randn(batch, rows, dtype=torch.bfloat16).cpu()))
+        cases.append((x, [w(8 * sms), w(8 * sms)], None))
+        cases.append((x, [w(16 * sms + 4), w(5), w(3), w(16 * sms)], None))
+    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "0"))
 
 
 BAD_INPUT_CALLS = """
