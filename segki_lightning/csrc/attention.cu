@@ -202,22 +202,36 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
 // grid (Hq, B), D threads: out = sum_s acc_s e^{m_s - M} / sum_s l_s e^{m_s - M}, times sigmoid(gate) when
 // a gate [B, Hq, D] (strides gate_sb, gate_sh; last dim contiguous) is given, with the roundings of the
 // unfused model (attention output and sigmoid each rounded to T, then their product).
+// The splits' maxima and sums are read in one parallel round into shared memory, and each thread's partial
+// values are requested 8 splits at a time: a loop that read part_m, then branched, then read part_l and
+// part_acc, split after split, cost ~0.16 us per split (kernels.py: ~21 us at 132 splits whatever the valid
+// length). The sums run in split order as before: the same bits.
+constexpr int kMaxSplits = 256;
+
 template <typename T, int D>
 __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_m,
                                     const float* __restrict__ part_l, T* __restrict__ out, int hq, int splits,
                                     const T* __restrict__ gate, int64_t gate_sb, int64_t gate_sh) {
+  __shared__ float sm_m[kMaxSplits], sm_l[kMaxSplits], scratch[32];
   pdl_start();  // everything below reads what earlier kernels wrote
   const int h = blockIdx.x, b = blockIdx.y, d = threadIdx.x;
   const size_t o = ((size_t)b * hq + h) * splits;
   float mm = -INFINITY;
-  for (int s = 0; s < splits; ++s) mm = fmaxf(mm, part_m[o + s]);
+  for (int s = d; s < splits; s += D) {
+    sm_m[s] = part_m[o + s];
+    sm_l[s] = part_l[o + s];
+    mm = fmaxf(mm, sm_m[s]);
+  }
+  mm = block_max(mm, scratch);  // its barriers also publish sm_m and sm_l
   float ll = 0.f, aa = 0.f;
+#pragma unroll 8
   for (int s = 0; s < splits; ++s) {
-    const float ms = part_m[o + s];
+    const float acc = part_acc[(o + s) * D + d];  // allocated for every split; used only where it was written
+    const float ms = sm_m[s];
     if (ms == -INFINITY) continue;
     const float c = __expf(ms - mm);
-    ll += part_l[o + s] * c;
-    aa += part_acc[(o + s) * D + d] * c;
+    ll += sm_l[s] * c;
+    aa += acc * c;
   }
   float y = aa / ll;
   if (gate != nullptr) {
@@ -338,7 +352,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   const bool batched = batched_attention();
   const int per_sm = batched ? 4 : 2;  // blocks per SM the splits aim for
   const int splits =
-      std::max(1, std::min({(per_sm * sms + bsz * hkv - 1) / (bsz * hkv), 256, (s_max + 15) / 16}));
+      std::max(1, std::min({(per_sm * sms + bsz * hkv - 1) / (bsz * hkv), kMaxSplits, (s_max + 15) / 16}));
   auto fopt = q.options().dtype(at::kFloat);
   auto part_acc = at::empty({bsz, hq, splits, d}, fopt);
   auto part_m = at::empty({bsz, hq, splits}, fopt);
