@@ -1,9 +1,9 @@
 // Copies from global to shared memory by the copy engine (sm_90 cp.async.bulk), each completing on an mbarrier:
 // a block can have a weight's bytes in flight without a register per load, and before the PDL wait, since
-// weights do not depend on the previous kernel. Measured (`results/bulk_gemv/`): launched one kernel per phase,
-// one block per SM with 96 KB of copies in flight, most of each phase requested during the previous one, streams
-// 4-16 MiB phases at 2.9-3.8 TB/s (plain loads of the same blocks: 0.9-1.1 TB/s). Within one kernel's steady state
-// a block completed one slot per ~1.5 us whatever the slot (16 or 30 KB) or ring (96 or 220 KB) size: ~2.4 TB/s.
+// weights do not depend on the previous kernel. Measured: a block streaming a long share through a ring of 16-32 KB
+// slots reaches 104-110 % of copy bandwidth, one to eight blocks per SM alike (`results/bulk_grid/stream/`); a
+// GEMV built as one block per SM over such a ring did not (`results/bulk_gemv/`), one built as one block per chunk
+// requested before the PDL wait wins on the 0.8B shapes (`results/bulk_grid/`).
 #pragma once
 
 #include <cstdint>

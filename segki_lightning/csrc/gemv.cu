@@ -519,10 +519,10 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
 // third and later wait for a slot to be read).
 // Where it runs (`results/bulk_grid/`): weights of at most 16 MiB, or rows of at most 2 KB -- the 0.8B model's
 // projections and output head, where the register path pays its ramp and tail per launch or keeps too few bytes
-// in flight per warp: 0.8B decode b=1 1042 -> 1104 tok/s, b=4 3261 -> 3373. The 4B shapes (21-1272 MB, rows of
+// in flight per warp: 0.8B decode b=1 1035 -> 1121 tok/s, b=4 3265 -> 3423 (one run). The 4B shapes (21-1272 MB, rows of
 // 5-18 KB) stay on the register path, which streams them at 60-100 % of copy bandwidth (this path: 52-82 %,
 // 4B decode b=1 323 -> 293). One block per SM streaming its whole range through a ring lost everywhere but the
-// one-chunk o_proj (a block completed one slot per ~1.5 us, 0.8B decode b=1 872; `results/bulk_gemv/`).
+// one-chunk o_proj (a block completed one slot per ~1.5 us; 0.8B decode b=1 862-872, `results/bulk_gemv/`).
 constexpr int kBulkChunkBytes = 32 * 1024;  // weight bytes per slot, at most
 constexpr int kBulkSmemBytes = 108 * 1024;  // x and the two slots, at most
 constexpr int kBulkSlots = 2;
