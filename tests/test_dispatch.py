@@ -83,3 +83,48 @@ def test_the_fused_gdn_conv_has_its_own_row_limit(monkeypatch):
         assert not dispatch.fuses_gdn_conv(x, *ws, *conv)
         assert seen == dict(op="gdn_in_proj_conv", max_rows=1, shape_ok=True)
     assert dispatch.CONV_EPILOGUE_ROWS == 1
+
+
+def test_kernel_switches_accept_their_values_and_name_what_to_change():
+    from segki_lightning.ops.switches import check_switches
+
+    check_switches({})
+    check_switches({"SEGKI_PDL": "0", "SEGKI_ATTN": "batched", "SEGKI_GEMV_PIPE": "1", "SEGKI_GEMV_BULK": "0",
+                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_CACHE": "/x", "PATH": "/bin"})
+    with pytest.raises(ValueError, match=r"SEGKI_GEMV_BLK is not a segki switch .*SEGKI_GEMV_BULK.*unset it"):
+        check_switches({"SEGKI_GEMV_BLK": "1"})
+    with pytest.raises(ValueError, match=r"SEGKI_GEMV_BULK='grid': expected 0 or 1 .*or unset for the default"):
+        check_switches({"SEGKI_GEMV_BULK": "grid"})
+    for bad in ("-2", "2k", ""):
+        with pytest.raises(ValueError, match=r"SEGKI_GEMV_PREFETCH=.*expected <int >= -1>"):
+            check_switches({"SEGKI_GEMV_PREFETCH": bad})
+    with pytest.raises(ValueError, match=r"SEGKI_ATTN='Batched'.*; SEGKI_PDL='off'"):  # every problem at once
+        check_switches({"SEGKI_PDL": "off", "SEGKI_ATTN": "Batched"})
+
+
+def test_a_bad_kernel_switch_stops_the_extension_before_it_loads(monkeypatch):
+    monkeypatch.setenv("SEGKI_GEMV_BULK", "yes")
+    extension.native_ops.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="SEGKI_GEMV_BULK='yes'"):
+            extension.native_ops()
+    finally:
+        extension.native_ops.cache_clear()
+
+
+def test_every_switch_the_kernels_read_is_declared_with_the_values_they_compare():
+    """The C++ sources read switches with ``env_is("SEGKI_X", "value")`` or ``std::getenv("SEGKI_X")``: each
+    name must be declared in ``switches.KERNEL_SWITCHES``, and each compared value accepted there."""
+    import re
+    from pathlib import Path
+
+    from segki_lightning.ops.switches import KERNEL_SWITCHES, _accepts
+
+    text = "".join(p.read_text() for p in Path(extension.CSRC).glob("*.c*"))
+    compared = re.findall(r'env_is\("(SEGKI_\w+)", "([^"]*)"\)', text)
+    read = set(re.findall(r'getenv\("(SEGKI_\w+)"\)', text)) | {name for name, _ in compared}
+    assert len(compared) >= 4 and read
+    for name in read:
+        assert name in KERNEL_SWITCHES, f"{name} is read by the kernels but not declared"
+    for name, value in compared:
+        assert _accepts(KERNEL_SWITCHES[name][0], value), f"{name}={value} is compared but not accepted"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .switches import check_switches
+
 log = logging.getLogger("segki_lightning")
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 
@@ -23,7 +25,9 @@ def kernel_sources() -> list[Path]:
 
 @functools.cache
 def native_ops() -> object | None:
-    """``torch.ops.segki`` when the extension is built and loaded, else None (announced once)."""
+    """``torch.ops.segki`` when the extension is built and loaded, else None (announced once). Raises
+    ValueError for an unknown ``SEGKI_*`` variable or a switch value the kernels would not understand."""
+    check_switches()
     reason = _unavailable_reason()
     if reason is not None:
         log.warning("segki: native kernels unavailable (%s); using the PyTorch reference path.", reason)

@@ -1,0 +1,49 @@
+"""The kernel switches read from the environment (``SEGKI_*``): settings for measurements and debugging that
+the native kernels read when they first run. Checked once, before the extension loads, so that a misspelt name
+or value fails with what to change instead of leaving the default path to run unnoticed."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+# name -> (accepted values, what the switch does); "<int >= -1>" accepts such a number
+KERNEL_SWITCHES = {
+    "SEGKI_PDL": (("0", "1"), "0: launch each kernel after the previous one ends (no programmatic dependent "
+                              "launch)"),
+    "SEGKI_ATTN": (("default", "batched"), "batched: decode attention scoring several positions and heads at once"),
+    "SEGKI_GEMV_PIPE": (("0", "1"), "0: the tensor-core GEMV with one stage of weight loads in flight"),
+    "SEGKI_GEMV_BULK": (("0", "1"), "1/0: every / no 1-4 row GEMV through the copy engine (unset: by weight size)"),
+    "SEGKI_GEMV_PREFETCH": ("<int >= -1>", "bytes of each weight row warmed in L2 before the PDL wait (-1: all)"),
+    "SEGKI_GEMV_MAX_ROWS": ("<int >= 1>", "one native row limit for every decode GEMV"),
+}
+# other variables of the project: the build cache folder and the CI script's virtual environment
+OTHER_VARIABLES = ("SEGKI_CACHE", "SEGKI_CI_VENV")
+
+
+def _accepts(accepted: tuple[str, ...] | str, value: str) -> bool:
+    if isinstance(accepted, tuple):
+        return value in accepted
+    low = int(accepted.split(">=")[1].rstrip(">"))
+    try:
+        return int(value) >= low
+    except ValueError:
+        return False
+
+
+def check_switches(environ: Mapping[str, str] = os.environ) -> None:
+    """Raises ValueError naming every ``SEGKI_*`` variable of ``environ`` that is unknown or has a value its
+    switch does not accept, with the accepted names or values."""
+    problems = []
+    for name, value in sorted(environ.items()):
+        if not name.startswith("SEGKI_") or name in OTHER_VARIABLES:
+            continue
+        if name not in KERNEL_SWITCHES:
+            problems.append(f"{name} is not a segki switch (known: {', '.join(KERNEL_SWITCHES)}, "
+                            f"{', '.join(OTHER_VARIABLES)}); unset it")
+            continue
+        accepted, meaning = KERNEL_SWITCHES[name]
+        if not _accepts(accepted, value):
+            shown = " or ".join(accepted) if isinstance(accepted, tuple) else accepted
+            problems.append(f"{name}={value!r}: expected {shown} ({meaning}), or unset for the default")
+    if problems:
+        raise ValueError("segki kernel switches: " + "; ".join(problems))
