@@ -10,7 +10,8 @@ from collections.abc import Mapping
 KERNEL_SWITCHES = {
     "SEGKI_PDL": (("0", "1"), "0: launch each kernel after the previous one ends (no programmatic dependent "
                               "launch)"),
-    "SEGKI_ATTN": (("default", "batched"), "batched: decode attention scoring several positions and heads at once"),
+    "SEGKI_ATTN": (("online", "batched"), "batched: decode attention scoring several positions and heads at once; "
+                                          "online (the default): one position at a time"),
     "SEGKI_GEMV_PIPE": (("0", "1"), "0: the tensor-core GEMV with one stage of weight loads in flight"),
     "SEGKI_GEMV_BULK": (("0", "1"), "1/0: every / no 1-4 row GEMV through the copy engine (unset: by weight size)"),
     "SEGKI_GEMV_PREFETCH": ("<int >= -1>", "bytes of each weight row warmed in L2 before the PDL wait (-1: all)"),
