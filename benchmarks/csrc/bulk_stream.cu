@@ -13,7 +13,14 @@
 //              that waits for the issuing warp's stores, each refill pays a round trip);
 //   kStoreNoFence  kStore whose refill has no proxy fence (the block barrier alone orders the reads before it);
 //   kLoads     no copy engine: each thread loads 4 x 16 bytes of every chunk (chunk = 16 KB) into registers, all
-//              four in flight before it folds them (the register path's rate on the same share, for reference).
+//              four in flight before it folds them (the register path's rate on the same share, for reference);
+//   kDotRow    kRing whose readers do the one-row GEMV's work instead of the fold: the slot holds bf16 rows of
+//              kDotK = 2560 (the 4B hidden size), each warp takes whole rows (warp, warp + 8, ...) and sums
+//              row . x (x staged in shared memory) lane by lane, 8 dependent FMAs per 16 bytes, then warp-sums
+//              and stores it, as gemv_bulk_kernel did with 6 rows per 30 KB slot;
+//   kDotSpread the same products with every warp on every row (warp w takes the row's stretches w, w + 8, ...),
+//              the 8 warps' parts summed through shared memory: one row's chain split eight ways.
+// If kDotRow costs ~1.5 us per slot and kDotSpread does not, the GEMV's per-slot cost was its per-warp row chain.
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -24,7 +31,12 @@ using namespace segki;
 
 constexpr int kThreads = 256;
 constexpr int kMaxSlots = 16;
-enum Mode { kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4, kStore = 5, kStoreNoFence = 6 };
+enum Mode {
+  kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4, kStore = 5, kStoreNoFence = 6, kDotRow = 7,
+  kDotSpread = 8
+};
+constexpr int kDotK = 2560;
+constexpr int kDotMaxRows = 8;  // rows per slot in the dot modes: a slot of at most 40 KB
 
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   unsigned done;
@@ -68,11 +80,50 @@ __device__ __forceinline__ unsigned fold(const uint4* p, int n16, int first, int
   return acc;
 }
 
+// row . x over the 16-byte words first, first + stride, ... of a kDotK row, one lane's part, in order.
+__device__ __forceinline__ float dot_part(const uint4* row, const uint4* x, int first, int stride) {
+  float a = 0.f;
+#pragma unroll 4
+  for (int w = first; w < kDotK / 8; w += stride) {
+    float wf[8], xf[8];
+    unpack8<__nv_bfloat16>(row[w], wf);
+    unpack8<__nv_bfloat16>(x[w], xf);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaf(wf[e], xf[e], a);
+  }
+  return a;
+}
+
+// The dot modes' work on one slot of `rows` rows; lane 0 of a warp that finishes a row stores it.
+template <int MODE>
+__device__ __forceinline__ void dot_slot(const uint4* slot, const uint4* x, int rows, float (*red)[kDotMaxRows],
+                                         unsigned* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if constexpr (MODE == kDotRow) {
+    for (int r = warp; r < rows; r += kThreads / 32) {
+      const float a = warp_sum(dot_part(slot + (size_t)r * (kDotK / 8), x, lane, 32));
+      if (lane == 0) out[warp] = __float_as_uint(a);
+    }
+  } else {
+    for (int r = 0; r < rows; ++r) {
+      const float a = warp_sum(dot_part(slot + (size_t)r * (kDotK / 8), x, warp * 32 + lane, kThreads));
+      if (lane == 0) red[warp][r] = a;
+    }
+    __syncthreads();
+    if (warp == 0 && lane < rows) {
+      float a = 0.f;
+      for (int w = 0; w < kThreads / 32; ++w) a += red[w][lane];
+      out[lane] = __float_as_uint(a);
+    }
+  }
+}
+
 template <int MODE>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restrict__ buf, size_t per_block16,
                                                           int slots, int chunk16, unsigned* sink) {
-  extern __shared__ __align__(128) uint4 ring[];  // [slots][chunk16]
+  extern __shared__ __align__(128) uint4 ring[];  // [slots][chunk16], then (dot modes) x [kDotK / 8]
   __shared__ __align__(8) uint64_t full[kMaxSlots];
+  __shared__ float red[kThreads / 32][kDotMaxRows];
   __shared__ __align__(8) uint64_t empty[kMaxSlots];
   const uint4* src = buf + blockIdx.x * per_block16;
   const int chunks = (int)(per_block16 / chunk16);
@@ -84,6 +135,10 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
     }
     bulk_fence_init();
   }
+  constexpr bool kDot = MODE == kDotRow || MODE == kDotSpread;
+  uint4* xs = ring + (size_t)slots * chunk16;
+  if constexpr (kDot)
+    for (int i = threadIdx.x; i < kDotK / 8; i += kThreads) xs[i] = src[i];
   __syncthreads();
   unsigned acc = 0;
   if constexpr (MODE == kLoads) {
@@ -123,7 +178,11 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
       } else {
         mbar_wait(&full[slot], parity);
       }
-      acc ^= fold(ring + (size_t)slot * chunk16, chunk16, threadIdx.x, kThreads);
+      if constexpr (kDot)
+        dot_slot<MODE>(ring + (size_t)slot * chunk16, xs, chunk16 * 8 / kDotK, red,
+                       sink + (size_t)blockIdx.x * (kThreads / 32) * 2);
+      else
+        acc ^= fold(ring + (size_t)slot * chunk16, chunk16, threadIdx.x, kThreads);
       if constexpr (MODE == kStore || MODE == kStoreNoFence)
         if ((threadIdx.x & 31) == 0) sink[(blockIdx.x * (kThreads / 32) + warp) * 2 + (c & 1)] = acc;
       __syncthreads();  // every thread is done with the slot
@@ -142,16 +201,20 @@ void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, 
   TORCH_CHECK(buf.is_cuda() && buf.is_contiguous(), "buf must be a contiguous CUDA tensor");
   TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks * (kThreads / 32) * 2,
               "sink: >= 16 int32 per block");
-  TORCH_CHECK(mode >= 0 && mode <= 6 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
-              "mode 0-6, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(mode >= 0 && mode <= 8 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
+              "mode 0-8, 1-16 slots, chunk a multiple of 64 bytes");
   TORCH_CHECK(mode != kLoads || chunk_bytes == kThreads * 64, "loads: the chunk is one round, 16 KB");
+  const bool dot = mode == kDotRow || mode == kDotSpread;
+  TORCH_CHECK(!dot || (chunk_bytes % (kDotK * 2) == 0 && chunk_bytes / (kDotK * 2) <= kDotMaxRows),
+              "dot modes: the chunk is 1-8 whole rows of ", kDotK, " bf16");
   const size_t per_block16 = buf.nbytes() / 16 / blocks / (chunk_bytes / 16) * (chunk_bytes / 16);
   TORCH_CHECK(per_block16 > 0, "buf too small for one chunk per block");
-  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes);
+  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes) + (dot ? kDotK * 2 : 0);
   using Kernel = void (*)(const uint4*, size_t, int, int, unsigned*);
   const Kernel kernels[] = {stream_kernel<kRing>, stream_kernel<kPoll>, stream_kernel<kProducer>,
                             stream_kernel<kSplit4>, stream_kernel<kLoads>,
-                            stream_kernel<kStore>, stream_kernel<kStoreNoFence>};
+                            stream_kernel<kStore>, stream_kernel<kStoreNoFence>, stream_kernel<kDotRow>,
+                            stream_kernel<kDotSpread>};
   const Kernel kernel = kernels[mode];
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<(unsigned)blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
