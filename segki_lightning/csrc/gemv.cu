@@ -19,6 +19,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace segki {
 namespace {
@@ -519,9 +520,9 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
 // third and later wait for a slot to be read).
 // Where it runs (`results/bulk_grid/`): weights of at most 16 MiB, or rows of at most 2 KB -- the 0.8B model's
 // projections and output head, where the register path pays its ramp and tail per launch or keeps too few bytes
-// in flight per warp: 0.8B decode b=1 1035 -> 1121 tok/s, b=4 3265 -> 3423 (one run). The 4B shapes (21-1272 MB, rows of
-// 5-18 KB) stay on the register path, which streams them at 60-100 % of copy bandwidth (this path: 52-82 %,
-// 4B decode b=1 323 -> 293). One block per SM streaming its whole range through a ring lost everywhere but the
+// in flight per warp: 0.8B decode b=1 1035 -> 1121 tok/s, b=4 3265 -> 3423 (one run). The 4B shapes (21-1272 MB,
+// rows of 5-18 KB) stay on the register path, which streams them at 60-100 % of copy bandwidth (this path:
+// 52-82 %, 4B decode b=1 323 -> 293). One block per SM streaming its whole range through a ring lost everywhere but the
 // one-chunk o_proj (a block completed one slot per ~1.5 us; 0.8B decode b=1 862-872, `results/bulk_gemv/`).
 constexpr int kBulkChunkBytes = 32 * 1024;  // weight bytes per slot, at most
 constexpr int kBulkSmemBytes = 108 * 1024;  // x and the two slots, at most
@@ -688,6 +689,18 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArg
   }
 }
 
+// Lets `kernel` take up to `bytes` of dynamic shared memory on the current device. The attribute belongs to the
+// kernel as loaded on one device, so it is set once per device a process launches on, not once per process.
+template <auto kernel>
+void allow_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: set on device d
+  const int dev = c10::cuda::current_device();
+  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit) != 0) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.fetch_or(bit, std::memory_order_relaxed);
+}
+
 // The copy-engine path where it takes the inputs: an sm_90 device, a weight row (the gate and up rows together)
 // within one slot, x and two slots within kBulkSmemBytes, every weight 16-byte aligned, and the routing rule
 // (SEGKI_GEMV_BULK=1: wherever it can run; =0: nowhere). Returns false otherwise (the register path runs).
@@ -710,17 +723,12 @@ bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   if (smem > kBulkSmemBytes) return false;
   const int blocks = (total_rows + plan.rows_per_chunk - 1) / plan.rows_per_chunk;
   auto stream = at::cuda::getCurrentCUDAStream();
-#define SEGKI_BULK_CASE(M)                                                                                 \
-  if (a.m <= M) {                                                                                         \
-    static const bool attr = [] {                                                                         \
-      C10_CUDA_CHECK(cudaFuncSetAttribute(gemv_bulk_kernel<T, M, EPI>,                                    \
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes)); \
-      return true;                                                                                        \
-    }();                                                                                                  \
-    (void)attr;                                                                                           \
-    launch_pdl_smem(gemv_bulk_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), (int)smem, stream, dim3(1), a, rs, \
-                    plan);                                                                                \
-    return true;                                                                                          \
+#define SEGKI_BULK_CASE(M)                                                                                  \
+  if (a.m <= M) {                                                                                          \
+    allow_dynamic_smem<gemv_bulk_kernel<T, M, EPI>>(kBulkSmemBytes);                                       \
+    launch_pdl_smem(gemv_bulk_kernel<T, M, EPI>, dim3(blocks), dim3(kWarps * 32), (int)smem, stream, dim3(1), \
+                    a, rs, plan);                                                                          \
+    return true;                                                                                           \
   }
   SEGKI_BULK_CASE(1) SEGKI_BULK_CASE(2) SEGKI_BULK_CASE(4)
 #undef SEGKI_BULK_CASE
