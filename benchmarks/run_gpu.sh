@@ -13,6 +13,9 @@
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
+#   stream  benchmarks/bulk_stream.py: a block's copy-engine stream, bare and with GEMV products (bulk_stream/)
+#   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
+#           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -59,6 +62,14 @@ for stage in "${stages[@]}"; do
     profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;
     barrier) python3 benchmarks/launch_vs_barrier.py --out "$out/launch_vs_barrier" > "$out/barrier.log" 2>&1
              tail -20 "$out/barrier.log" | cut -c1-160 ;;
+    stream)  python3 benchmarks/bulk_stream.py --out "$out/bulk_stream" > "$out/stream.log" 2>&1
+             grep -E "^\| " "$out/bulk_stream/bulk_stream.md" | cut -c1-110 ;;
+    attn)    for variant in online batched; do
+               SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \
+                 --batches 1 --only attention --attn-valid 512 2048 8192 16384 32768 > "$out/attn_$variant.log" 2>&1
+             done
+             paste -d'|' <(grep -E "^\| (4b|0.8b)" "$out/attn/online/kernels.md" | cut -d'|' -f2-6) \
+               <(grep -E "^\| (4b|0.8b)" "$out/attn/batched/kernels.md" | cut -d'|' -f6) ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;
