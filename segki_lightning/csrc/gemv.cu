@@ -701,6 +701,17 @@ void allow_dynamic_smem(int bytes) {
   done.fetch_or(bit, std::memory_order_relaxed);
 }
 
+// Chunks per block (SEGKI_GEMV_BULK_CHUNKS, 1-8; default 1, what was measured): more chunks stage x once for all
+// of them, the first two requested before the PDL wait, later ones as a slot is read. For the A/B of long rows,
+// where x staged per chunk is several times the chunk's weight bytes (4B down_proj at 4 rows: 72 KB per 18 KB).
+inline int bulk_chunks_per_block() {
+  static const int chunks = [] {
+    const char* v = std::getenv("SEGKI_GEMV_BULK_CHUNKS");
+    return v == nullptr ? 1 : std::min(8, std::max(1, std::atoi(v)));
+  }();
+  return chunks;
+}
+
 // The copy-engine path where it takes the inputs: an sm_90 device, a weight row (the gate and up rows together)
 // within one slot, x and two slots within kBulkSmemBytes, every weight 16-byte aligned, and the routing rule
 // (SEGKI_GEMV_BULK=1: wherever it can run; =0: nowhere). Returns false otherwise (the register path runs).
@@ -721,7 +732,8 @@ bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
   plan.x_elems = (int)(x_bytes / sizeof(T));
   const long smem = x_bytes + kBulkSlots * plan.rows_per_chunk * row_bytes;
   if (smem > kBulkSmemBytes) return false;
-  const int blocks = (total_rows + plan.rows_per_chunk - 1) / plan.rows_per_chunk;
+  const int rows_per_block = plan.rows_per_chunk * bulk_chunks_per_block();
+  const int blocks = (total_rows + rows_per_block - 1) / rows_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
 #define SEGKI_BULK_CASE(M)                                                                                  \
   if (a.m <= M) {                                                                                          \

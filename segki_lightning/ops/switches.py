@@ -14,6 +14,7 @@ KERNEL_SWITCHES = {
                                           "online (the default): one position at a time"),
     "SEGKI_GEMV_PIPE": (("0", "1"), "0: the tensor-core GEMV with one stage of weight loads in flight"),
     "SEGKI_GEMV_BULK": (("0", "1"), "1/0: every / no 1-4 row GEMV through the copy engine (unset: by weight size)"),
+    "SEGKI_GEMV_BULK_CHUNKS": (tuple("12345678"), "chunks of weight rows per block on the copy-engine path (1)"),
     "SEGKI_GEMV_PREFETCH": ("<int >= -1>", "bytes of each weight row warmed in L2 before the PDL wait (-1: all)"),
     "SEGKI_GEMV_MAX_ROWS": ("<int >= 1>", "one native row limit for every decode GEMV"),
 }

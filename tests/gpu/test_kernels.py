@@ -360,12 +360,13 @@ def test_the_pipelined_tensor_core_gemv_gives_the_single_stage_bits(tmp_path):
     assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_PIPE", ("1", "0"))
 
 
-def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
+def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path, monkeypatch):
     """The 1-4 row GEMV that copies each block's chunk of weight rows into shared memory with the copy engine
     (``SEGKI_GEMV_BULK=1``) sums each row as the register path (``=0``) does when both take a row's K whole:
     K = 1024, chunks of 16 (single projection, a partial last chunk) or 8 (gated front) rows, where the register
     path does not split K. The four-weight case has two weights of 5 and 3 rows, so some blocks take three or four
-    chunks through their two slots and refill one. The outputs are bit-identical, residual epilogue included."""
+    chunks through their two slots and refill one; with three chunks per block (``SEGKI_GEMV_BULK_CHUNKS=3``)
+    every block refills. The outputs are bit-identical, residual epilogue included."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     k = 1024
 
@@ -380,6 +381,8 @@ def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path):
         cases.append((x, [w(8 * sms), w(8 * sms)], None))
         cases.append((x, [w(16 * sms + 4), w(5), w(3), w(16 * sms)], None))
     assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK", ("1", "0"))
+    monkeypatch.setenv("SEGKI_GEMV_BULK", "1")
+    assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK_CHUNKS", ("3", "1"))
 
 
 BAD_INPUT_CALLS = """
