@@ -203,10 +203,13 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
 // a gate [B, Hq, D] (strides gate_sb, gate_sh; last dim contiguous) is given, with the roundings of the
 // unfused model (attention output and sigmoid each rounded to T, then their product).
 // The splits' maxima and sums are read in one parallel round into shared memory, and each thread's partial
-// values are requested 8 splits at a time: a loop that read part_m, then branched, then read part_l and
-// part_acc, split after split, cost ~0.16 us per split (kernels.py: ~21 us at 132 splits whatever the valid
-// length). The sums run in split order as before: the same bits.
+// values are requested kSplitGroup splits at a time: a loop that read part_m, then branched, then read part_l
+// and part_acc, split after split, cost ~0.16 us per split (kernels.py: ~21 us at 132 splits whatever the valid
+// length). An unrolled loop over the splits was not enough: ptxas kept only 2-4 of its loads in flight (13 us
+// left at 132 splits, `results/bulk_grid/combine/`, in a grid of only Hq x B blocks), so each group's values are
+// loaded into an array first. The sums run in split order as before: the same bits.
 constexpr int kMaxSplits = 256;
+constexpr int kSplitGroup = 16;
 
 template <typename T, int D>
 __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const float* __restrict__ part_m,
@@ -224,14 +227,21 @@ __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const fl
   }
   mm = block_max(mm, scratch);  // its barriers also publish sm_m and sm_l
   float ll = 0.f, aa = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < splits; ++s) {
-    const float acc = part_acc[(o + s) * D + d];  // allocated for every split; used only where it was written
-    const float ms = sm_m[s];
-    if (ms == -INFINITY) continue;
-    const float c = __expf(ms - mm);
-    ll += sm_l[s] * c;
-    aa += acc * c;
+  for (int s0 = 0; s0 < splits; s0 += kSplitGroup) {
+    float part[kSplitGroup];  // all requested before the first is used
+#pragma unroll
+    for (int i = 0; i < kSplitGroup; ++i)  // allocated for every split; used only where it was written
+      part[i] = s0 + i < splits ? part_acc[(o + s0 + i) * D + d] : 0.f;
+#pragma unroll
+    for (int i = 0; i < kSplitGroup; ++i) {
+      const int s = s0 + i;
+      if (s >= splits) break;
+      const float ms = sm_m[s];
+      if (ms == -INFINITY) continue;
+      const float c = __expf(ms - mm);
+      ll += sm_l[s] * c;
+      aa += part[i] * c;
+    }
   }
   float y = aa / ll;
   if (gate != nullptr) {
