@@ -31,15 +31,6 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
                : "r"(smem_addr(p)));
 }
 
-// d += a (16 x 16, row-major) . b (16 x 8, column-major), bf16 in, fp32 sums
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Lanes 0-15 of the calling warp copy the 16 rows of weight tile `tile` into `slot`, completing on `bar`.
 __device__ __forceinline__ void issue_tile(const __nv_bfloat16* w, int tile, __nv_bfloat16* slot, uint64_t* bar) {
   const int lane = threadIdx.x & 31;
@@ -90,8 +81,8 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const __nv_bfloat16
       for (int j = 0; j < NT; j += 2) {  // x rows 8j-8j+15: b of n-tiles j and j + 1
         unsigned b[4];
         ldmatrix_x4(b, xs + (j * 8 + (lane & 7) + 8 * (lane >> 4)) * kRowPad + k0 + 8 * ((lane >> 3) & 1));
-        mma_bf16(acc[j], a, b[0], b[1]);
-        mma_bf16(acc[j + 1], a, b[2], b[3]);
+        mma16816<__nv_bfloat16>(acc[j], a[0], a[1], a[2], a[3], b[0], b[1]);
+        mma16816<__nv_bfloat16>(acc[j + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
       }
     }
     __syncthreads();  // every warp has read the slot (and the previous tile's sums out of `red`)

@@ -1,5 +1,5 @@
-// Shared device helpers: 16-byte vector loads, bf16/fp16 <-> fp32, warp/block reductions, launch checks,
-// programmatic dependent launch.
+// Shared device helpers: 16-byte vector loads, bf16/fp16 <-> fp32, warp/block reductions, the m16n8k16 tensor-core
+// product, launch checks, programmatic dependent launch.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -101,6 +101,25 @@ __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// c += a (16 x 16, row-major) . b (16 x 8, column-major): T in, fp32 sums (fragments as PTX's mma.m16n8k16).
+template <typename T>
+__device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
 }
 
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
