@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
+from common import graph_time_us, start_bench_ops, write_results
 
 MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4, "store": 5, "store_nofence": 6, "dot_row": 7, "dot_spread": 8}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
@@ -52,12 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mib", type=int, nargs="+", default=[1024, 16], help="MiB streamed per call, over all blocks")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device")
-    build_bench_ops("bulk_stream")
+    args, bw = start_bench_ops(ap, "bulk_stream")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth_gbps()
     bufs = [torch.zeros(max(args.mib) * 2**18, dtype=torch.int32, device="cuda") for _ in range(2)]
     sink = torch.zeros(max(v[3] for v in VARIANTS) * sms * 16, dtype=torch.int32, device="cuda")
     op = torch.ops.segki_bulk_stream.stream

@@ -2,6 +2,7 @@
 timing and result files."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -26,17 +27,22 @@ SHAPES = {
 }
 
 
-def build_bench_ops(source: str) -> None:
-    """Compile ``benchmarks/csrc/<source>.cu`` (with the project's kernel headers) for the visible GPU and load
-    its ops into ``torch.ops``; cached next to the extension's build."""
+def start_bench_ops(ap: argparse.ArgumentParser, source: str) -> tuple[argparse.Namespace, float]:
+    """The start of a benchmark with kernels of its own: parses ``ap``'s arguments, stops unless a CUDA device is
+    there, compiles ``benchmarks/csrc/<source>.cu`` (with the project's kernel headers; cached next to the
+    extension's build) and loads its ops into ``torch.ops``. Returns the arguments and the copy bandwidth (GB/s)."""
     from segki_lightning.ops.build import _arch_list, build_dir, compile_library
 
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
     root = Path(__file__).resolve().parents[1]
     arch = _arch_list(None)
     out = build_dir(arch) / f"bench_{source}"
     out.mkdir(exist_ok=True)
     compile_library(f"segki_bench_{source}", [root / "benchmarks" / "csrc" / f"{source}.cu"], out, arch,
                     include_dirs=(root / "segki_lightning" / "csrc",))
+    return args, copy_bandwidth_gbps()
 
 
 def qwen35_config(name: str, **overrides):

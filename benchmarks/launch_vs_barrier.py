@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
+from common import graph_time_us, start_bench_ops, write_results
 
 VARIANTS = ("launch + PDL", "launch", "bulk + launch + PDL", "barrier", "bulk + barrier", "grid.sync", "bulk + grid.sync")
 
@@ -61,12 +61,8 @@ def main() -> None:
     ap.add_argument("--phases", type=int, default=16)
     ap.add_argument("--sizes", type=int, nargs="+", default=[0, 2**20, 4 * 2**20, 16 * 2**20],
                     help="bytes streamed per phase (0.8B layer weights: out_proj 4 MiB, down 7 MiB, in_proj 17 MiB)")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device")
-    build_bench_ops("launch_vs_barrier")
+    args, bw = start_bench_ops(ap, "launch_vs_barrier")
     blocks = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = copy_bandwidth_gbps()
     rows = []
     for variant in VARIANTS:   # the cooperative launches last: a capture they fail must not cost the others
         for size in args.sizes:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import build_bench_ops, copy_bandwidth_gbps, graph_time_us, write_results
+from common import graph_time_us, start_bench_ops, write_results
 
 # output rows of 0.8B projections with K = 1024 (the hidden size): qkv (8 x 256 x 2 + 2 x 2 x 256), gate|up,
 # the GDN input projection (q|k|v 6144 + z 2048, b and a left out), the output head
@@ -29,11 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32], choices=[16, 32])
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device")
-    build_bench_ops("skinny_bulk")
-    bw = copy_bandwidth_gbps()
+    args, bw = start_bench_ops(ap, "skinny_bulk")
     op = torch.ops.segki_skinny.gemm
     rows = []
     for name, n in SHAPES.items():
