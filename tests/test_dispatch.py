@@ -113,8 +113,9 @@ def test_a_bad_kernel_switch_stops_the_extension_before_it_loads(monkeypatch):
 
 
 def test_every_switch_the_kernels_read_is_declared_with_the_values_they_compare():
-    """The C++ sources read switches with ``env_is("SEGKI_X", "value")`` or ``std::getenv("SEGKI_X")``: each
-    name must be declared in ``switches.KERNEL_SWITCHES``, and each compared value accepted there."""
+    """The C++ sources read switches with ``env_is("SEGKI_X", "value")``, ``env_long("SEGKI_X", ...)`` or
+    ``std::getenv("SEGKI_X")``: each name must be declared in ``switches.KERNEL_SWITCHES``, and each compared
+    value accepted there."""
     import re
     from pathlib import Path
 
@@ -122,7 +123,8 @@ def test_every_switch_the_kernels_read_is_declared_with_the_values_they_compare(
 
     text = "".join(p.read_text() for p in Path(extension.CSRC).glob("*.c*"))
     compared = re.findall(r'env_is\("(SEGKI_\w+)", "([^"]*)"\)', text)
-    read = set(re.findall(r'getenv\("(SEGKI_\w+)"\)', text)) | {name for name, _ in compared}
+    read = set(re.findall(r'(?:getenv|env_long)\("(SEGKI_\w+)"', text)) | {name for name, _ in compared}
+    assert {"SEGKI_GEMV_PREFETCH", "SEGKI_GEMV_BULK_CHUNKS"} <= read
     assert len(compared) >= 4 and read
     for name in read:
         assert name in KERNEL_SWITCHES, f"{name} is read by the kernels but not declared"

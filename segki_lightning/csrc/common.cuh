@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdlib>
 #include <string>
 #include <type_traits>
@@ -169,6 +171,13 @@ void with_head_dim(int d, F&& f) {
 inline bool env_is(const char* name, const char* value) {
   const char* v = std::getenv(name);
   return v != nullptr && std::string(v) == value;
+}
+
+// The integer in environment variable `name` clamped to [lo, hi], or `fallback` when it is unset (the values
+// were checked when the extension loaded: ops/switches.py).
+inline long env_long(const char* name, long fallback, long lo, long hi) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? fallback : std::min(hi, std::max(lo, std::atol(v)));
 }
 
 inline void check_cuda_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {

@@ -61,10 +61,7 @@ struct GemvArgs {
 constexpr long kPrefetchBytes = 2048;
 
 inline int prefetch_cols(size_t elem_size) {
-  static const long bytes = [] {
-    const char* v = std::getenv("SEGKI_GEMV_PREFETCH");
-    return v == nullptr ? kPrefetchBytes : std::max(-1L, std::atol(v));
-  }();
+  static const long bytes = env_long("SEGKI_GEMV_PREFETCH", kPrefetchBytes, -1, LONG_MAX);
   return bytes < 0 ? -1 : (int)(bytes / (long)elem_size);
 }
 
@@ -687,10 +684,7 @@ void allow_dynamic_smem(int bytes) {
 // of them, the first two requested before the PDL wait, later ones as a slot is read. For the A/B of long rows,
 // where x staged per chunk is several times the chunk's weight bytes (4B down_proj at 4 rows: 72 KB per 18 KB).
 inline int bulk_chunks_per_block() {
-  static const int chunks = [] {
-    const char* v = std::getenv("SEGKI_GEMV_BULK_CHUNKS");
-    return v == nullptr ? 1 : std::min(8, std::max(1, std::atoi(v)));
-  }();
+  static const int chunks = (int)env_long("SEGKI_GEMV_BULK_CHUNKS", 1, 1, 8);
   return chunks;
 }
 
