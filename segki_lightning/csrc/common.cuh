@@ -186,6 +186,18 @@ inline void check_cuda_half(const at::Tensor& t, const char* op, const char* nam
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// A half-precision CUDA matrix whose rows may lie apart (a column slice of a wider product: the outputs of one
+// product over packed weights); returns its row stride in elements. Contiguous tensors of any rank count as
+// rows of their last dimension.
+inline int64_t check_rows_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  if (t.is_contiguous()) return t.dim() == 0 ? 1 : t.size(-1);
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1), op, ": ", name,
+              " must be contiguous or a matrix of contiguous rows (strides ", t.strides(), ")");
+  return t.stride(0);
+}
+
 // ---- Programmatic dependent launch (sm_90): every kernel here is launched with `launch_pdl`, so it may start
 // while the kernel before it in the stream is still finishing, and the next one may start while it finishes.
 // Contract of each kernel: call pdl_launch_dependents() first, then do only work that reads nothing another

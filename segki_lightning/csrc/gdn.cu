@@ -20,14 +20,21 @@ __device__ __forceinline__ void cluster_barrier() {
   asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
+// Row strides (elements) of the step's inputs: each may be a column slice of one product over packed weights.
+struct RowStrides {
+  int64_t mixed, z, b, a;
+};
+
 template <typename T>
-__global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_state, const T* __restrict__ w,
-                                const T* __restrict__ bias, T* __restrict__ mixed, int c_total, int width) {
+__global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __restrict__ conv_state,
+                                const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ mixed,
+                                int c_total, int width) {
   pdl_start();  // everything below reads what earlier kernels wrote
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
   if (c >= c_total) return;
   const size_t o = (size_t)b * c_total + c;
-  mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, to_float<T>(qkv[o]), width));
+  const float x = to_float<T>(qkv[(size_t)b * qkv_ld + c]);
+  mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, x, width));
 }
 
 // grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
@@ -37,8 +44,8 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, T* __restrict__ conv_
 template <typename T, int DK>
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
-    float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias, bool gates_fp32,
-    const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
+    RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
   pdl_start();  // everything below reads what earlier kernels wrote
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
@@ -46,7 +53,6 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const int tiles = dv / 32;
   const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
   const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
-  const int c_total = 2 * hk * DK + hv * dv;
   const int kh = h / (hv / hk);
   __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
   __shared__ float sq_part;
@@ -55,16 +61,16 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   float s[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
-  const T* row = mixed + (size_t)b * c_total;
+  const T* row = mixed + (size_t)b * ld.mixed;
   // every other read of the step requested now too: behind the block and cluster barriers below each was a
   // round trip of its own (ptxas does not move loads across them)
   const T v_raw = row[2 * hk * DK + h * dv + j];
-  const T a_raw = agate[(size_t)b * hv + h], b_raw = bgate[(size_t)b * hv + h];
+  const T a_raw = agate[(size_t)b * ld.a + h], b_raw = bgate[(size_t)b * ld.b + h];
   auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
     return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
   };
   const float dt_b = param(dt_bias), a_lg = param(a_log);
-  const T z_raw = z[((size_t)b * hv + h) * dv + j], nw_raw = norm_w[j];
+  const T z_raw = z[(size_t)b * ld.z + h * dv + j], nw_raw = norm_w[j];
   float qq = 0.f, kk = 0.f;
   for (int i = threadIdx.x; i < DK; i += 128) {
     const float qv = to_float<T>(row[kh * DK + i]);
@@ -123,18 +129,24 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
 
 struct GdnDims {
   int bsz, c_total, hk, dk, dv, hv;
+  RowStrides ld;
 };
 
-// Checks of the recurrence's inputs (`mixed` is q|k|v after the conv, or before it for gdn_decode_step).
+// Checks of the recurrence's inputs (`mixed` is q|k|v after the conv, or before it for gdn_decode_step): mixed,
+// z, b and a contiguous or matrices of contiguous rows (slices of one product over the packed projections).
 GdnDims check_recurrence(const char* op, const at::Tensor& mixed, const at::Tensor& z, const at::Tensor& b,
                          const at::Tensor& a, const at::Tensor& recurrent_state, const at::Tensor& a_log,
                          const at::Tensor& dt_bias, const at::Tensor& norm_weight, int64_t num_k_heads,
                          int64_t head_k_dim, int64_t head_v_dim) {
   const auto dt = mixed.scalar_type();
-  for (auto* t : {&mixed, &z, &b, &a, &norm_weight}) check_cuda_half(*t, op, "input", dt);
+  const RowStrides ld{check_rows_half(mixed, op, "qkv", dt), check_rows_half(z, op, "z", dt),
+                      check_rows_half(b, op, "b", dt), check_rows_half(a, op, "a", dt)};
+  check_cuda_half(norm_weight, op, "norm_weight", dt);
   TORCH_CHECK(recurrent_state.is_cuda() && recurrent_state.scalar_type() == at::kFloat &&
                   recurrent_state.is_contiguous(), op, ": recurrent_state must be a contiguous fp32 CUDA tensor");
-  GdnDims d{(int)mixed.size(0), (int)mixed.size(1), (int)num_k_heads, (int)head_k_dim, (int)head_v_dim, 0};
+  TORCH_CHECK(mixed.dim() == 2 && z.dim() == 2 && b.dim() == 2 && a.dim() == 2, op,
+              ": qkv, z, b and a must be [B, width] matrices");
+  GdnDims d{(int)mixed.size(0), (int)mixed.size(1), (int)num_k_heads, (int)head_k_dim, (int)head_v_dim, 0, ld};
   d.hv = (int)(z.size(1) / d.dv);
   TORCH_CHECK(d.c_total == 2 * d.hk * d.dk + d.hv * d.dv, op, ": qkv width ", d.c_total, " != 2*Hk*Dk + Hv*Dv");
   TORCH_CHECK(recurrent_state.sizes() == at::IntArrayRef({d.bsz, d.hv, d.dk, d.dv}), op, ": recurrent_state ",
@@ -162,6 +174,8 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   const bool gates_fp32 = a_log_p.scalar_type() == at::kFloat;
   auto out = at::empty({d.bsz, d.hv * d.dv}, mixed.options());
   if (d.bsz == 0) return out;
+  RowStrides ld = d.ld;
+  ld.mixed = mixed.is_contiguous() ? d.c_total : mixed.stride(0);   // gdn_decode_step: the conv's own output
   c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(dt, op, [&] {
@@ -170,7 +184,7 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
       // clusters of Dv/32 blocks: one cluster per (value head, row)
       launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(d.hv * (d.dv / 32), d.bsz), dim3(128), stream, dim3(d.dv / 32),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
-          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()),
+          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
@@ -196,13 +210,13 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   const int width = (int)conv_state.size(2);
   TORCH_CHECK(width <= kMaxConvWidth && conv_weight.size(0) == d.c_total && conv_weight.size(1) == width, op,
               ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
-  auto mixed = at::empty_like(qkv);
+  auto mixed = at::empty(qkv.sizes(), qkv.options());   // contiguous, whatever qkv's row stride
   if (d.bsz > 0) {
     c10::cuda::CUDAGuard guard(qkv.device());
     SEGKI_DISPATCH_HALF(dt, op, [&] {
       launch_pdl(gdn_conv_kernel<T>, dim3((d.c_total + 255) / 256, d.bsz), dim3(256),
           at::cuda::getCurrentCUDAStream(), dim3(1),
-          reinterpret_cast<const T*>(qkv.data_ptr()), reinterpret_cast<T*>(conv_state.data_ptr()),
+          reinterpret_cast<const T*>(qkv.data_ptr()), d.ld.mixed, reinterpret_cast<T*>(conv_state.data_ptr()),
           reinterpret_cast<const T*>(conv_weight.data_ptr()),
           conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
           reinterpret_cast<T*>(mixed.data_ptr()), d.c_total, width);

@@ -894,16 +894,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj_conv(
   return {o[0], o[1], o[2], o[3]};
 }
 
-// ---- SiLU(gate) * up for batches beyond the GEMV range, whose two products come from cuBLAS: one launch
-// instead of the five (two casts, silu, mul, cast back) of the fp32 reference. 8 elements per thread.
+// ---- SiLU(gate) * up for batches beyond the GEMV range, whose products come from cuBLAS (one over the packed
+// gate|up weights, so gate and up are column slices of it, or two): one launch instead of the five (two casts,
+// silu, mul, cast back) of the fp32 reference. 8 elements per thread; rows of c8 x 8 values lie g_ld / u_ld
+// elements apart in gate / up, out is contiguous.
 template <typename T>
 __global__ void silu_mul_kernel(const T* __restrict__ gate, const T* __restrict__ up, T* __restrict__ out,
-                                int64_t n8) {
+                                int64_t n8, int64_t c8, int64_t g_ld, int64_t u_ld) {
   pdl_start();  // everything below reads what earlier kernels wrote
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n8; i += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = i / c8, c = (i - r * c8) * 8;
     float g[8], u[8];
-    unpack8<T>(ld_cached(gate + i * 8), g);
-    unpack8<T>(ld_cached(up + i * 8), u);
+    unpack8<T>(ld_cached(gate + r * g_ld + c), g);
+    unpack8<T>(ld_cached(up + r * u_ld + c), u);
 #pragma unroll
     for (int j = 0; j < 8; ++j) g[j] = silu(g[j]) * u[j];
     *reinterpret_cast<uint4*>(out + i * 8) = pack8<T>(g);
@@ -912,14 +915,16 @@ __global__ void silu_mul_kernel(const T* __restrict__ gate, const T* __restrict_
 
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   const char* op = "segki::silu_mul";
-  check_cuda_half(gate, op, "gate", gate.scalar_type());
-  check_cuda_half(up, op, "up", gate.scalar_type());
+  const int64_t g_ld = check_rows_half(gate, op, "gate", gate.scalar_type());
+  const int64_t u_ld = check_rows_half(up, op, "up", gate.scalar_type());
   TORCH_CHECK(gate.sizes() == up.sizes(), op, ": gate ", gate.sizes(), " and up ", up.sizes(), " differ");
-  TORCH_CHECK(gate.numel() % 8 == 0, op, ": element count ", gate.numel(), " must be a multiple of 8");
+  const int64_t cols = gate.dim() == 0 ? 1 : gate.size(-1);
+  TORCH_CHECK(cols % 8 == 0 && g_ld % 8 == 0 && u_ld % 8 == 0, op, ": rows of ", cols, " values ", g_ld, " / ",
+              u_ld, " apart; each must be a multiple of 8 (16-byte loads)");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(gate.data_ptr()) % 16 == 0 &&
                   reinterpret_cast<uintptr_t>(up.data_ptr()) % 16 == 0,
               op, ": gate and up must start on 16-byte boundaries (16-byte loads)");
-  auto out = at::empty_like(gate);
+  auto out = at::empty(gate.sizes(), gate.options());
   const int64_t n8 = gate.numel() / 8;
   if (n8 == 0) return out;
   c10::cuda::CUDAGuard guard(gate.device());
@@ -928,7 +933,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   SEGKI_DISPATCH_HALF(gate.scalar_type(), op, [&] {
     launch_pdl(silu_mul_kernel<T>, dim3(blocks), dim3(256), at::cuda::getCurrentCUDAStream(), dim3(1),
                reinterpret_cast<const T*>(gate.data_ptr()), reinterpret_cast<const T*>(up.data_ptr()),
-               reinterpret_cast<T*>(out.data_ptr()), n8);
+               reinterpret_cast<T*>(out.data_ptr()), n8, cols / 8, g_ld, u_ld);
   });
   return out;
 }

@@ -12,6 +12,7 @@ from torch import nn
 
 from .. import ops
 from . import forwards as fw
+from .packing import unpack_projections
 from .report import KINDS, SegmentReport
 from .structure import (Mismatch, match_attention, match_attention_qkv, match_decoder_layer, match_gated_mlp,
                         match_gdn, match_rms_norm)
@@ -90,7 +91,9 @@ def apply_segment_ki(model: nn.Module, kinds: Iterable[str] = KINDS, verify: boo
 
 
 def remove_segment_ki(model: nn.Module) -> None:
-    """Restore every original forward that :func:`apply_segment_ki` replaced."""
+    """Restore every original forward that :func:`apply_segment_ki` replaced, and give packed projection weights
+    (:func:`~segki_lightning.inject.pack_projections`) their own storage back."""
+    unpack_projections(model)
     for m in model.modules():
         if fw.SPEC in m.__dict__:
             _restore(m)

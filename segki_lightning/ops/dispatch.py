@@ -51,6 +51,9 @@ def _gemv_rows() -> tuple[dict[str, int], bool]:
 
 
 MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselves take up to 64 rows per launch
+# Past those rows, projections whose weights are packed (inject.packing) run as one cuBLAS product over the
+# packed buffer; SEGKI_JOINT=0 keeps one product per weight (for comparisons)
+JOINT = os.environ.get("SEGKI_JOINT", "1") != "0"
 
 
 def linear_rows(weight: Tensor) -> int:
@@ -61,24 +64,72 @@ def linear_rows(weight: Tensor) -> int:
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True,
-             strided_first: bool = False) -> bool:
+             strided_first: bool = False, row_strided: int = 0) -> bool:
     """Whether ``torch.ops.segki.<op>`` may run on these tensors: all CUDA, contiguous and of one half
     dtype (None entries are absent optional inputs), no autograd recording, at most ``max_rows`` rows of
     the first tensor, and the op's own shape limits (``shape_ok``). ``strided_first``: the caller copies the
-    first tensor to contiguous memory itself, so its layout does not matter."""
+    first tensor to contiguous memory itself, so its layout does not matter. ``row_strided``: the first that
+    many tensors may also be matrices of contiguous rows lying apart (column slices of a joint product)."""
     present = [t for t in tensors if t is not None]
     first = present[0]
     if not shape_ok or first.device.type != "cuda" or first.dtype not in NATIVE_DTYPES:
         return False
     if any(t.device != first.device or t.dtype != first.dtype for t in present):
         return False
-    if any(not t.is_contiguous() for t in present[1 if strided_first else 0:]):
+    if any(not _rows_ok(t) for t in present[:row_strided]):
+        return False
+    if any(not t.is_contiguous() for t in present[max(row_strided, 1 if strided_first else 0):]):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
     if max_rows is not None and first.numel() // max(first.shape[-1], 1) > max_rows:
         return False
     return has_native(op)
+
+
+def _rows_ok(t: Tensor) -> bool:
+    """Contiguous, or a matrix of contiguous rows lying apart."""
+    return t.is_contiguous() or (t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1])
+
+
+def _vector_rows(t: Tensor) -> bool:
+    """Every row of ``t`` starts on a 16-byte boundary (for 8-value loads); contiguous tensors: the allocator's."""
+    return t.is_contiguous() or (t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0)
+
+
+def joint_weight(*weights: Tensor) -> Tensor | None:
+    """The weights as one ``[sum N_i, K]`` matrix when they are consecutive rows of one buffer (as
+    :func:`segki_lightning.inject.pack_projections` lays them out), else None. A view of their storage made
+    outside autograd: only for products that record no gradient."""
+    first = weights[0]
+    if any(w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype or w.device != first.device
+           or w.shape[1] != first.shape[1] for w in weights):
+        return None
+    row_bytes = first.shape[1] * first.element_size()
+    for w, nxt in zip(weights, weights[1:]):
+        if nxt.data_ptr() != w.data_ptr() + w.shape[0] * row_bytes:
+            return None
+    storage = first.untyped_storage().data_ptr()
+    if any(w.untyped_storage().data_ptr() != storage for w in weights[1:]):
+        return None
+    rows = sum(w.shape[0] for w in weights)
+    return first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
+
+
+def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | None:
+    """``x [..., K]`` times packed ``weights`` as ONE product, split into each weight's ``[M, N_i]`` output (column
+    slices of the ``[M, sum N_i]`` product; M = rows of x): past the fused GEMVs' rows a 7 MB cuBLAS product
+    costs nearly what a 15 MB one does (launch ramp and tail). None when the weights are not packed, an
+    autograd graph is being recorded, or under torch.compile; the caller then takes one product per weight."""
+    if not JOINT or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return None
+    w = joint_weight(*weights)
+    if w is None:
+        return None
+    y = F.linear(x.reshape(-1, x.shape[-1]), w)                                     # [M, sum N_i]
+    return list(y.split([t.shape[0] for t in weights], dim=-1))
 
 
 def backend(op: str, dtype: torch.dtype, device: torch.device | str) -> str:
@@ -99,13 +150,23 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
-    """See :func:`reference.gated_mlp_front`."""
+    """See :func:`reference.gated_mlp_front`. Past the native rows: cuBLAS products (one when gate|up are
+    packed), then :func:`silu_mul`."""
     if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_ROWS["gated_mlp_front"],
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
-    if eligible("silu_mul", x, w_gate, w_up, shape_ok=w_gate.shape[0] % 8 == 0):  # more rows: cuBLAS products
-        return _native("silu_mul")(F.linear(x, w_gate), F.linear(x, w_up))
-    return reference.gated_mlp_front(x, w_gate, w_up)
+    parts = _joint_product(x, (w_gate, w_up))
+    if parts is not None:
+        return silu_mul(*parts).unflatten(0, x.shape[:-1])                          # [..., I]
+    return silu_mul(F.linear(x, w_gate), F.linear(x, w_up))
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """See :func:`reference.silu_mul`; ``gate``/``up`` may be column slices of one product."""
+    ok = gate.shape[-1] % 8 == 0 and gate.shape == up.shape and _vector_rows(gate) and _vector_rows(up)
+    if eligible("silu_mul", gate, up, shape_ok=ok, row_strided=2):
+        return _native("silu_mul")(gate, up)
+    return reference.silu_mul(gate, up)
 
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,10 +178,14 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Te
 
 
 def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """See :func:`reference.gdn_in_proj`."""
+    """See :func:`reference.gdn_in_proj`. Past the native rows, one cuBLAS product when the four weights are
+    packed: the outputs are then column slices of it (rows ``sum N_i`` apart)."""
     if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_ROWS["gdn_in_proj"],
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
+    parts = _joint_product(x, (w_qkv, w_z, w_b, w_a))
+    if parts is not None:
+        return tuple(p.unflatten(0, x.shape[:-1]) for p in parts)
     return reference.gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
 
 
@@ -194,7 +259,9 @@ def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_
     """See :func:`reference.gdn_decode_step`."""
     args = (qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias, norm_weight)
     ok = _recurrence_ok(head_k_dim, head_v_dim, recurrent_state) and conv_state.shape[-1] <= 8
-    if eligible("gdn_decode_step", qkv, z, b, a, conv_state, conv_weight, conv_bias, norm_weight, shape_ok=ok):
+    ok = ok and qkv.dim() == z.dim() == b.dim() == a.dim() == 2
+    if eligible("gdn_decode_step", qkv, z, b, a, conv_state, conv_weight, conv_bias, norm_weight, shape_ok=ok,
+                row_strided=4):
         return _native("gdn_decode_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
     return reference.gdn_decode_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
 
@@ -203,8 +270,8 @@ def gdn_recurrent_step(mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_wei
                        num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """See :func:`reference.gdn_recurrent_step`."""
     args = (mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight)
-    if eligible("gdn_recurrent_step", mixed, z, b, a, norm_weight,
-                shape_ok=_recurrence_ok(head_k_dim, head_v_dim, recurrent_state)):
+    ok = _recurrence_ok(head_k_dim, head_v_dim, recurrent_state) and mixed.dim() == z.dim() == b.dim() == a.dim() == 2
+    if eligible("gdn_recurrent_step", mixed, z, b, a, norm_weight, shape_ok=ok, row_strided=4):
         return _native("gdn_recurrent_step")(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
     return reference.gdn_recurrent_step(*args, norm_eps, num_k_heads, head_k_dim, head_v_dim)
 

@@ -56,7 +56,7 @@ def _attn_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps
 
 @torch.library.register_fake("segki::silu_mul")
 def _silu_mul(gate, up):
-    return torch.empty_like(gate)
+    return gate.new_empty(gate.shape)   # contiguous, whatever gate's row stride
 
 
 @torch.library.register_fake("segki::gdn_decode_step")

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
-from ..inject import apply_segment_ki
+from ..inject import apply_segment_ki, pack_projections
 from ..ops.reference import valid_mask
 from .attention import NAME as SEGKI_ATTENTION, attention_implementation, register
 from .batch import RolloutBatch, RolloutStats, left_pad
@@ -65,6 +65,10 @@ class RolloutEngine:
         max_seq_len: most tokens of prompt + completion; the cache is allocated for it once.
         use_segki: inject fused segments (and decode attention over valid prefixes only).
         graph_capture: capture the decode step in a CUDA graph (CUDA only; eager otherwise).
+        pack_weights: with ``use_segki``, move each injected module's input-projection weights into one buffer
+            (:func:`~segki_lightning.inject.pack_projections`: same Parameters, one storage move) so batches past
+            the fused GEMVs' rows take one product per group. False where something else owns the storage
+            (FSDP's gathered buffers).
         eos_token_id, pad_token_id: default to the model's generation config.
 
     Example:
@@ -75,12 +79,15 @@ class RolloutEngine:
 
     def __init__(self, model: nn.Module, max_batch_size: int = 64, max_seq_len: int = 2048,
                  use_segki: bool = True, graph_capture: bool = True,
-                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None):
+                 eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+                 pack_weights: bool = True):
         if max_batch_size < 1 or max_seq_len < 2:
             raise ValueError(f"max_batch_size must be >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
         self.model, self.max_batch_size, self.max_seq_len = model, max_batch_size, max_seq_len
         self.use_segki = use_segki
         self.report = apply_segment_ki(model) if use_segki else None
+        if use_segki and pack_weights:
+            pack_projections(model)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.graph_capture = graph_capture and self.device.type == "cuda"

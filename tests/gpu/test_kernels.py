@@ -279,6 +279,89 @@ def test_gdn_decode_step(shape, batch, dtype):
     assert rel_err(out, want) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 17, 32, 64])
+@pytest.mark.parametrize("shape", list(GDN_SHAPES))
+def test_gdn_step_reads_column_slices_of_one_product_exactly(shape, batch, dtype):
+    """qkv, z, b, a as column slices of one [B, C + Hv*Dv + 2*Hv] product (the packed input projections past the
+    GEMV rows) give the bits of the same values in contiguous tensors: output and both states."""
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+    widths = [g["qkv"].shape[1], hv * dv, hv, hv]
+    joint = torch.cat([g["qkv"], g["z"], g["b"], g["a"]], dim=1)
+    sliced = dict(g, **dict(zip(("qkv", "z", "b", "a"), joint.split(widths, dim=1))))
+    assert not sliced["z"].is_contiguous() or batch == 1
+    tail = (1e-6, hk, dk, dv)
+    conv, rec = g["conv_state"].clone(), g["recurrent_state"].clone()
+    poison((batch, hv * dv), (batch, widths[0]), dtype=dtype)
+    want = torch.ops.segki.gdn_decode_step(*g.values(), *tail)
+    sliced.update(conv_state=conv, recurrent_state=rec)
+    poison((batch, hv * dv), (batch, widths[0]), dtype=dtype)
+    got = torch.ops.segki.gdn_decode_step(*sliced.values(), *tail)
+    for a, b in ((got, want), (conv, g["conv_state"]), (rec, g["recurrent_state"])):
+        assert not torch.isnan(a).any() and torch.equal(a, b)
+    mixed = joint[:, :widths[0]]            # the recurrence alone, on a strided q|k|v (as after the fused conv)
+    rec2, rec3 = rec.clone(), rec.clone()
+    rest = (sliced["z"], sliced["b"], sliced["a"])
+    got = torch.ops.segki.gdn_recurrent_step(mixed, *rest, rec2, g["A_log"], g["dt_bias"], g["norm_weight"], *tail)
+    want = torch.ops.segki.gdn_recurrent_step(mixed.contiguous(), *(t.contiguous() for t in rest), rec3, g["A_log"],
+                                              g["dt_bias"], g["norm_weight"], *tail)
+    assert torch.equal(got, want) and torch.equal(rec2, rec3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [17, 32, 300])
+def test_silu_mul_reads_the_halves_of_one_product_exactly(rows, dtype):
+    """gate and up as the two halves of one [rows, 2I] product (packed gate|up weights) give the bits of the same
+    values in contiguous tensors; an odd row stride takes the reference instead of raising."""
+    from segki_lightning import ops
+
+    y = randn(rows, 2 * 3584, dtype=dtype)
+    gate, up = y.split(3584, dim=1)
+    poison((rows, 3584), dtype=dtype)
+    got = torch.ops.segki.silu_mul(gate, up)
+    assert not torch.isnan(got).any() and got.is_contiguous()
+    assert torch.equal(got, torch.ops.segki.silu_mul(gate.contiguous(), up.contiguous()))
+    odd = randn(rows, 2 * 3584 + 4, dtype=dtype)[:, 4:].split(3584, dim=1)   # rows 8 bytes off 16-byte alignment
+    assert torch.equal(ops.silu_mul(*odd), R.silu_mul(*odd))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [17, 32, 64])
+def test_packed_projections_take_one_product_past_the_gemv_rows(rows, dtype):
+    """With the weights packed, the MLP front and the GDN input projection past 16 rows are one cuBLAS product (the
+    outputs are column slices of it) within the dtype's tolerance of the fp32 reference, and the whole GDN step on
+    them equals the step on contiguous copies bit for bit."""
+    from torch import nn
+
+    from segki_lightning import ops
+    from segki_lightning.inject.packing import pack_projections
+
+    k, hk, hv, dk, dv = GDN_IN_SHAPES["08b"]
+    c = 2 * hk * dk + hv * dv
+    block = nn.Module()
+    for name, n in (("in_proj_qkv", c), ("in_proj_z", hv * dv), ("in_proj_b", hv), ("in_proj_a", hv),
+                    ("gate_proj", 3584), ("up_proj", 3584)):
+        setattr(block, name, nn.Linear(k, n, bias=False, device="cuda", dtype=dtype))
+    block.__dict__["_segki_spec"] = None       # as an injected module
+    assert pack_projections(block) == 2
+    x = randn(rows, k, dtype=dtype)
+    ws = [block.in_proj_qkv.weight, block.in_proj_z.weight, block.in_proj_b.weight, block.in_proj_a.weight]
+    with torch.no_grad():
+        outs = ops.gdn_in_proj(x, *ws)
+        front = ops.gated_mlp_front(x, block.gate_proj.weight, block.up_proj.weight)
+    assert all(o.stride(0) == c + hv * dv + 2 * hv for o in outs)
+    for got, want in zip(outs, R.gdn_in_proj(*f32(x, *ws))):
+        assert rel_err(got, want) < TOL[dtype]
+    assert rel_err(front, R.gated_mlp_front(*f32(x, block.gate_proj.weight, block.up_proj.weight))) < TOL[dtype]
+    g = gdn_inputs(rows, hk, hv, dk, dv, dtype)
+    conv, rec, conv2, rec2 = (g[n].clone() for n in ("conv_state", "recurrent_state") * 2)
+    tail = (g["A_log"], g["dt_bias"], g["norm_weight"], 1e-6, hk, dk, dv)
+    got = ops.gdn_decode_step(*outs, conv, g["conv_weight"], None, rec, *tail)
+    want = torch.ops.segki.gdn_decode_step(*(o.contiguous() for o in outs), conv2, g["conv_weight"], None, rec2, *tail)
+    assert torch.equal(got, want) and torch.equal(conv, conv2) and torch.equal(rec, rec2)
+
+
 GDN_IN_SHAPES = {"4b": (2560, 16, 32, 128, 128), "08b": (1024, 16, 16, 128, 128), "odd": (72, 2, 6, 64, 96)}
 
 
