@@ -58,16 +58,25 @@ def test_gemv_row_limits_per_op_and_weight_size_or_one_from_the_environment(monk
         dispatch._gemv_rows()
 
 
-def test_a_large_single_projection_leaves_the_native_path_after_the_cuda_core_rows(monkeypatch):
-    """4B-shaped o_proj / down_proj weights (>= 16 MiB) go to cuBLAS past 4 rows, 0.8B-shaped ones at 16 rows;
-    an explicit SEGKI_GEMV_MAX_ROWS applies to every size (meta tensors: no memory is allocated)."""
-    small = torch.empty(1024, 3584, dtype=torch.bfloat16, device="meta")     # 0.8B down_proj, 7 MiB
-    large = torch.empty(2560, 9216, dtype=torch.bfloat16, device="meta")     # 4B down_proj, 45 MiB
+def test_large_weights_leave_the_native_path_after_the_cuda_core_rows(monkeypatch):
+    """4B-shaped weights go to cuBLAS past 4 rows (a single projection of >= 16 MiB; gate|up, q|k|v or the GDN input
+    projection of >= 32 MiB together), 0.8B-shaped ones at 16 rows; an explicit SEGKI_GEMV_MAX_ROWS applies to
+    every size (meta tensors: no memory is allocated)."""
+    def w(n, k):
+        return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+
+    small = {"linear": [w(1024, 3584)], "gated_mlp_front": [w(3584, 1024)] * 2,              # 0.8B: 7, 14 MiB
+             "qkv_proj": [w(4096, 1024), w(512, 1024), w(512, 1024)],                          # 10 MiB
+             "gdn_in_proj": [w(6144, 1024), w(2048, 1024), w(16, 1024), w(16, 1024)]}          # 16.1 MiB
+    large = {"linear": [w(2560, 9216)], "gated_mlp_front": [w(9216, 2560)] * 2,              # 4B: 45, 90 MiB
+             "qkv_proj": [w(8192, 2560), w(1024, 2560), w(1024, 2560)],                        # 50 MiB
+             "gdn_in_proj": [w(8192, 2560), w(4096, 2560), w(32, 2560), w(32, 2560)]}          # 60 MiB
     monkeypatch.setattr(dispatch, "ROWS_FROM_ENV", False)
-    assert dispatch.linear_rows(small) == dispatch.MAX_ROWS["linear"] == 16
-    assert dispatch.linear_rows(large) == dispatch.LARGE_LINEAR_ROWS == 4
+    for op in small:
+        assert dispatch.native_rows(op, *small[op]) == dispatch.MAX_ROWS[op] == 16, op
+        assert dispatch.native_rows(op, *large[op]) == dispatch.LARGE_WEIGHT_ROWS == 4, op
     monkeypatch.setattr(dispatch, "ROWS_FROM_ENV", True)
-    assert dispatch.linear_rows(large) == dispatch.MAX_ROWS["linear"]
+    assert all(dispatch.native_rows(op, *large[op]) == dispatch.MAX_ROWS[op] for op in large)
 
 
 def test_the_fused_gdn_conv_has_its_own_row_limit(monkeypatch):

@@ -35,7 +35,13 @@ CONV_EPILOGUE_ROWS = 1
 # launch breaks the chain of programmatic dependent launches that the native kernels keep).
 # (benchmarks/results/decode_limits/)
 LARGE_LINEAR_BYTES = 16 * 2**20
-LARGE_LINEAR_ROWS = 4
+LARGE_WEIGHT_ROWS = 4
+# The multi-weight projections (gate|up, q|k|v, the GDN input projection) of large weights leave it after the
+# CUDA-core rows too, since one cuBLAS product covers packed weights: on the 4B shape (gate|up 100 MB, GDN input
+# 63 MB, q|k|v 52 MB) decode gains 15 % with cuBLAS there (b=8 1907 -> 2190 tok/s, b=16 3398 -> 3915). The 0.8B
+# shapes (11-17 MB) stay native: with every projection on cuBLAS past 4 rows its decode lost 3-10 %.
+# (benchmarks/results/joint/)
+LARGE_FUSED_BYTES = 32 * 2**20
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -56,11 +62,13 @@ MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselve
 JOINT = os.environ.get("SEGKI_JOINT", "1") != "0"
 
 
-def linear_rows(weight: Tensor) -> int:
-    """Rows up to which :func:`linear` with this weight runs natively."""
-    if ROWS_FROM_ENV or weight.numel() * weight.element_size() < LARGE_LINEAR_BYTES:
-        return MAX_ROWS["linear"]
-    return min(MAX_ROWS["linear"], LARGE_LINEAR_ROWS)
+def native_rows(op: str, *weights: Tensor) -> int:
+    """Rows up to which the projection ``op`` with these weights runs natively: ``MAX_ROWS[op]``, or the
+    CUDA-core rows for large weights (unless ``SEGKI_GEMV_MAX_ROWS`` set one limit for all)."""
+    large = LARGE_LINEAR_BYTES if op == "linear" else LARGE_FUSED_BYTES
+    if ROWS_FROM_ENV or sum(w.numel() * w.element_size() for w in weights) < large:
+        return MAX_ROWS[op]
+    return min(MAX_ROWS[op], LARGE_WEIGHT_ROWS)
 
 
 def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shape_ok: bool = True,
@@ -144,7 +152,8 @@ def _native(op: str):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`."""
-    if eligible("linear", x, weight, bias, residual, max_rows=linear_rows(weight), shape_ok=x.shape[-1] % 8 == 0):
+    if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
+                shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
     return reference.linear(x, weight, bias, residual)
 
@@ -152,7 +161,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     """See :func:`reference.gated_mlp_front`. Past the native rows: cuBLAS products (one when gate|up are
     packed), then :func:`silu_mul`."""
-    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=MAX_ROWS["gated_mlp_front"],
+    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=native_rows("gated_mlp_front", w_gate, w_up),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
     parts = _joint_product(x, (w_gate, w_up))
@@ -171,7 +180,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
     """See :func:`reference.qkv_proj`."""
-    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=MAX_ROWS["qkv_proj"],
+    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=native_rows("qkv_proj", w_q, w_k, w_v),
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
     return reference.qkv_proj(x, w_q, w_k, w_v, b_q, b_k, b_v)
@@ -180,7 +189,7 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Te
 def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """See :func:`reference.gdn_in_proj`. Past the native rows, one cuBLAS product when the four weights are
     packed: the outputs are then column slices of it (rows ``sum N_i`` apart)."""
-    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=MAX_ROWS["gdn_in_proj"],
+    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=native_rows("gdn_in_proj", w_qkv, w_z, w_b, w_a),
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
     parts = _joint_product(x, (w_qkv, w_z, w_b, w_a))
