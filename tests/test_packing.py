@@ -28,7 +28,7 @@ def test_packing_moves_storage_only(tmp_path):
     model = packed_model(tmp_path)
     params = dict(model.named_parameters())
     values = {k: v.clone() for k, v in model.state_dict().items()}
-    assert pack_projections(model) == 4 + 3          # 4 MLPs, 3 Gated-DeltaNet blocks
+    assert pack_projections(model) == 4 + 3 + 1      # 4 MLPs, 3 Gated-DeltaNet blocks, 1 attention block
     assert pack_projections(model) == 0
     assert all(joint_weight(*ws) is not None for ws in _groups(model))
     assert dict(model.named_parameters()) == params  # same objects under the same names
@@ -48,8 +48,20 @@ def test_only_owners_of_their_storage_are_packed(tmp_path):
     with torch.no_grad():
         mlp.up_proj.weight.data = big[8:8 + mlp.up_proj.weight.numel()].view_as(mlp.up_proj.weight).copy_(
             mlp.up_proj.weight)
-    assert pack_projections(model) == 3 + 3
+    assert pack_projections(model) == 3 + 3 + 1
     assert joint_weight(mlp.gate_proj.weight, mlp.up_proj.weight) is None
+
+
+def test_attention_projections_with_biases_stay_apart(tmp_path):
+    """q|k|v with biases are not packed (one product would leave the biases out); the MLPs still are."""
+    model = build_model("llama", tmp_path, attention_bias=True)
+    apply_segment_ki(model)
+    assert pack_projections(model) == 2
+    attn = model.model.layers[0].self_attn
+    assert joint_weight(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight) is None
+    plain = build_model("llama", tmp_path)
+    apply_segment_ki(plain)
+    assert pack_projections(plain) == 2 + 2
 
 
 def test_joint_product_only_without_autograd(tmp_path):
@@ -103,11 +115,12 @@ def test_packed_forward_gradients_and_optimizer_steps(tmp_path, monkeypatch):
     torch.testing.assert_close(joint_logits, separate_logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
 @pytest.mark.parametrize("rows", [2, 20])
-def test_packed_rollout_equals_unpacked(tmp_path, rows):
+def test_packed_rollout_equals_unpacked(tmp_path, rows, family):
     """Greedy rollouts of a packed and an unpacked engine agree token for token (fp32: the joint product and the
     separate ones differ by summation order at most), for batches below and past the GEMV rows."""
-    model = build_model("qwen3_5", tmp_path, seed=11)
+    model = build_model(family, tmp_path, seed=11)
     twin = copy.deepcopy(model)
     packed = RolloutEngine(model, max_batch_size=32, max_seq_len=40, graph_capture=False, eos_token_id=[])
     plain = RolloutEngine(twin, max_batch_size=32, max_seq_len=40, graph_capture=False, eos_token_id=[],

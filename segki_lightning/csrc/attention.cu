@@ -254,13 +254,14 @@ __global__ void attn_combine_kernel(const float* __restrict__ part_acc, const fl
 // ---- prologue. One warp per (row, head): heads [0, Hq) are queries, [Hq, Hq + Hkv) keys (whose warp also
 // copies the value row into the cache). Lane l holds features [l*E, (l+1)*E); RoPE's partner feature comes
 // through shared memory. Roundings follow the unfused model: norm output rounded to T, then each RoPE
-// product and their sum.
+// product and their sum. The rows of q, k and v lie q_ld / k_ld / v_ld elements apart (column slices of one
+// product over packed q|k|v weights, or contiguous).
 template <typename T, int D>
 __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ cos,
     const T* __restrict__ sin, const T* __restrict__ q_w, const T* __restrict__ k_w, T* __restrict__ kc,
     T* __restrict__ vc, const int64_t* __restrict__ positions, T* __restrict__ query, int bsz, int hq, int hkv,
-    int s_max, int r, int q_head_stride, float eps, bool unit_offset) {
+    int s_max, int r, int q_head_stride, int64_t q_ld, int64_t k_ld, int64_t v_ld, float eps, bool unit_offset) {
   pdl_start();  // everything below reads what earlier kernels wrote
   constexpr int E = D / 32;
   __shared__ float feat[kWarps][D];
@@ -270,9 +271,9 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
   const int b = item / heads, h = item % heads;
   const bool is_q = h < hq;
   const int kvh = h - hq;
-  const T* src = is_q ? q + ((size_t)b * hq + h) * q_head_stride : k + ((size_t)b * hkv + kvh) * D;
+  const T* src = is_q ? q + (size_t)b * q_ld + (size_t)h * q_head_stride : k + (size_t)b * k_ld + (size_t)kvh * D;
   const T* w = is_q ? q_w : k_w;
-  const T* vr = is_q ? nullptr : v + ((size_t)b * hkv + kvh) * D;  // a key head's value row
+  const T* vr = is_q ? nullptr : v + (size_t)b * v_ld + (size_t)kvh * D;  // a key head's value row
   // Every read is requested up front: the norm weight, the rotary tables, the position and the value row no
   // longer wait for the statistics, the shared-memory exchange or each other (a chain of four round trips
   // before, in the SASS). The value row is only pulled into L1 here: held in registers it spilled (fp16, D=256).
@@ -400,7 +401,9 @@ at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at
                               const at::Tensor& positions, double eps, bool unit_offset, bool gated) {
   const char* op = "segki::attention_prologue";
   const auto dt = q.scalar_type();
-  const std::initializer_list<const at::Tensor*> inputs = {&q, &k, &v, &cos, &sin, &k_cache, &v_cache};
+  const int64_t q_ld = check_rows_half(q, op, "q", dt), k_ld = check_rows_half(k, op, "k", dt);
+  const int64_t v_ld = check_rows_half(v, op, "v", dt);
+  const std::initializer_list<const at::Tensor*> inputs = {&cos, &sin, &k_cache, &v_cache};
   for (const at::Tensor* t : inputs) check_cuda_half(*t, op, "input", dt);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
               ": caches must be [B, Hkv, S, D] of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes());
@@ -438,8 +441,8 @@ at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at
           q_w.has_value() ? reinterpret_cast<const T*>(q_w->data_ptr()) : nullptr,
           k_w.has_value() ? reinterpret_cast<const T*>(k_w->data_ptr()) : nullptr,
           reinterpret_cast<T*>(k_cache.data_ptr()), reinterpret_cast<T*>(v_cache.data_ptr()),
-          positions.data_ptr<int64_t>(), reinterpret_cast<T*>(query.data_ptr()), bsz, hq, hkv, s_max, r, qw,
-          (float)eps, unit_offset);
+          positions.data_ptr<int64_t>(), reinterpret_cast<T*>(query.data_ptr()), bsz, hq, hkv, s_max, r, qw, q_ld,
+          k_ld, v_ld, (float)eps, unit_offset);
     };
     with_head_dim(d, run);
   });

@@ -1,5 +1,6 @@
 """Packed projections: the weights that read one input (an MLP's gate and up, a Gated-DeltaNet block's four input
-projections) moved into one buffer, each Parameter a view of its own rows.
+projections, an attention block's q, k and v when they have no biases) moved into one buffer, each Parameter a
+view of its own rows.
 
 Past the fused GEMVs' rows (rollout batches of 17-64 rows) :mod:`segki_lightning.ops` then runs ONE cuBLAS product
 over the buffer instead of one per weight: at 32 rows a 7 MB product takes nearly as long as a 15 MB one (the
@@ -16,7 +17,8 @@ from torch import Tensor, nn
 from ..ops import joint_weight
 from . import forwards as fw
 
-GROUPS = (("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+GROUPS = (("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+          ("q_proj", "k_proj", "v_proj"))
 
 
 def _groups(model: nn.Module) -> list[list[nn.Parameter]]:
@@ -27,7 +29,7 @@ def _groups(model: nn.Module) -> list[list[nn.Parameter]]:
             continue
         for names in GROUPS:
             linears = [getattr(m, n, None) for n in names]
-            if all(isinstance(lin, nn.Linear) for lin in linears):
+            if all(isinstance(lin, nn.Linear) and lin.bias is None for lin in linears):
                 found.append([lin.weight for lin in linears])
     return found
 

@@ -179,10 +179,14 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
-    """See :func:`reference.qkv_proj`."""
+    """See :func:`reference.qkv_proj`. Past the native rows, one cuBLAS product when the three weights are packed
+    (and have no biases): the outputs are then column slices of it."""
     if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=native_rows("qkv_proj", w_q, w_k, w_v),
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
+    parts = _joint_product(x, (w_q, w_k, w_v)) if b_q is None and b_k is None and b_v is None else None
+    if parts is not None:
+        return tuple(p.unflatten(0, x.shape[:-1]) for p in parts)
     return reference.qkv_proj(x, w_q, w_k, w_v, b_q, b_k, b_v)
 
 
@@ -245,11 +249,13 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, gate: Tensor | 
 
 def attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps: float,
                        unit_offset: bool, gated: bool) -> Tensor:
-    """See :func:`reference.attention_prologue`."""
+    """See :func:`reference.attention_prologue`; ``q``, ``k``, ``v`` may be column slices of one product."""
     d, r = k_cache.shape[-1], cos.shape[-1]
     ok = (d in (64, 128, 256) and r % 2 == 0 and r <= d and positions.dtype == torch.int64 and positions.is_cuda
-          and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None))
-    if eligible("attention_prologue", q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, shape_ok=ok):
+          and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None)
+          and q.dim() == k.dim() == v.dim() == 2)
+    if eligible("attention_prologue", q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, shape_ok=ok,
+                row_strided=3):
         return _native("attention_prologue")(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions,
                                              eps, unit_offset, gated)
     return reference.attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps,

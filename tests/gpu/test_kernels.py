@@ -230,6 +230,33 @@ def test_attention_prologue(shape, batch, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 17, 32])
+@pytest.mark.parametrize("shape", list(PROLOGUE_SHAPES))
+def test_attention_prologue_reads_column_slices_of_one_product_exactly(shape, batch, dtype):
+    """q, k, v as column slices of one [B, Nq + 2*Nk] product (packed q|k|v weights past the GEMV rows) give the
+    bits of the same values in contiguous tensors: the query and both caches."""
+    hq, hkv, d, r, gated, unit_offset = PROLOGUE_SHAPES[shape]
+    s, nq = 40, hq * d * (2 if gated else 1)
+    joint = randn(batch, nq + 2 * hkv * d, dtype=dtype)
+    q, k, v = joint.split([nq, hkv * d, hkv * d], dim=1)
+    angles = torch.rand(batch, r // 2, device="cuda") * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    norms = ((randn(d, dtype=dtype, scale=0.3), randn(d, dtype=dtype, scale=0.3)) if unit_offset is not None
+             else (None, None))
+    caches = [randn(batch, hkv, s, d, dtype=dtype) for _ in range(2)]
+    caches2 = [c.clone() for c in caches]
+    positions = torch.randint(0, s, (batch,), device="cuda")
+    tail = (positions, 1e-6, bool(unit_offset), gated)
+    poison((batch, hq, d), dtype=dtype)
+    got = torch.ops.segki.attention_prologue(q, k, v, cos, sin, *norms, *caches, *tail)
+    poison((batch, hq, d), dtype=dtype)
+    want = torch.ops.segki.attention_prologue(q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, *norms,
+                                              *caches2, *tail)
+    assert not torch.isnan(got).any() and torch.equal(got, want)
+    assert torch.equal(caches[0], caches2[0]) and torch.equal(caches[1], caches2[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 64, 300])
 def test_silu_mul_beyond_the_gemv_rows(rows, dtype):
     """Past its native row limit the MLP front is two cuBLAS products and one silu_mul launch; same roundings as
