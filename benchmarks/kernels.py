@@ -1,6 +1,8 @@
 """Per-kernel decode benchmark on the real Qwen3.5-4B and 0.8B shapes: native segki op vs the PyTorch
 composition it replaces (cuBLAS + elementwise), both timed as CUDA-graph replays in the same run, with
-achieved GB/s over the bytes each op must move and % of the measured copy bandwidth.
+achieved GB/s over the bytes each op must move and % of the measured copy bandwidth. Past a multi-weight
+projection's native rows, a "packed" row times what the library runs there instead (one cuBLAS product over
+the packed weights).
 
     python benchmarks/kernels.py --out benchmarks/results
 """
@@ -17,7 +19,7 @@ from common import copy_bandwidth_gbps, graph_time_us, write_results  # noqa: E4
 
 from segki_lightning import ops  # noqa: E402
 from segki_lightning.ops import reference as R  # noqa: E402
-from segki_lightning.ops.dispatch import MAX_ROWS  # noqa: E402
+from segki_lightning.ops.dispatch import native_rows  # noqa: E402
 from segki_lightning.ops.extension import native_ops  # noqa: E402
 
 DT = torch.bfloat16
@@ -120,16 +122,29 @@ def bench_attention_prologue(model, batch, bw):
                graph_time_us([lambda: R.attention_prologue(*a)]), bw)
 
 
-def bench_mlp_front_beyond_gemv(model, batch, bw):
-    """Past its native row limit: two cuBLAS products + silu_mul (what dispatch runs) vs the reference composition."""
-    h, inter = MODELS[model][:2]
-    x = rand(batch, h)
-    sets = [[rand(inter, h, scale=h**-0.5) for _ in range(2)] for _ in range(copies_for(2 * inter * h * 2))]
-    moved = nbytes(x, *sets[0]) + batch * inter * 2
+# the multi-weight projections: dispatch entry point, reference, op name (for the native row limit)
+PACKED = {2: (ops.gated_mlp_front, R.gated_mlp_front, "gated_mlp_front"),
+          3: (ops.qkv_proj, R.qkv_proj, "qkv_proj"), 4: (ops.gdn_in_proj, R.gdn_in_proj, "gdn_in_proj")}
+
+
+def beyond_native_rows(k, ns, batch) -> bool:
+    """Whether ``batch`` rows of this multi-weight projection leave the native kernel (meta weights: no memory)."""
+    op = PACKED[len(ns)][2]
+    return batch > native_rows(op, *(torch.empty(n, k, dtype=DT, device="meta") for n in ns))
+
+
+def bench_packed(model, name, k, ns, batch, bw):
+    """Past the native rows, what dispatch runs on weights packed as the rollout engine packs them (one cuBLAS
+    product over the group, then the SiLU-mul for gate|up) vs the reference composition (one product per weight)."""
+    fn, ref, _ = PACKED[len(ns)]
+    x = rand(batch, k)
+    sets = [list(rand(sum(ns), k, scale=k**-0.5).split(ns)) for _ in range(copies_for(sum(ns) * k * 2))]
+    out_bytes = batch * (ns[0] if len(ns) == 2 else sum(ns)) * 2
+    moved = nbytes(x, *sets[0]) + out_bytes
     with torch.no_grad():
-        return row(model, "gate_up (cuBLAS + silu_mul)", batch, moved,
-                   graph_time_us([lambda w=w: ops.gated_mlp_front(x, *w) for w in sets]),
-                   graph_time_us([lambda w=w: R.gated_mlp_front(x, *w) for w in sets]), bw)
+        return row(model, f"{name.split(' ')[0]} (packed: one cuBLAS product)", batch, moved,
+                   graph_time_us([lambda w=w: fn(x, *w) for w in sets]),
+                   graph_time_us([lambda w=w: ref(x, *w) for w in sets]), bw)
 
 
 def bench_gdn(model, batch, bw):
@@ -181,8 +196,9 @@ def main() -> None:
                 for name, (k, ns) in proj_cases(model).items():
                     rows.append(bench_projection(model, name, k, ns, batch, bw))
                     print(rows[-1], flush=True)
-                if batch > MAX_ROWS["gated_mlp_front"]:
-                    rows.append(bench_mlp_front_beyond_gemv(model, batch, bw))
+                    if len(ns) > 1 and beyond_native_rows(k, ns, batch):
+                        rows.append(bench_packed(model, name, k, ns, batch, bw))
+                        print(rows[-1], flush=True)
             if "small" in on:
                 rows.append(bench_norm(model, batch, bw))
                 rows.append(bench_attention_prologue(model, batch, bw))
