@@ -136,6 +136,21 @@ def test_packed_rollout_equals_unpacked(tmp_path, rows, family):
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
 
 
+def test_the_engine_packs_again_after_the_weights_moved(tmp_path):
+    """Weights given new storage after the engine was built (as ``model.to()`` does) are packed again by the next
+    rollout; with ``pack_weights=False`` they are left alone."""
+    model = build_model("qwen3_5", tmp_path)
+    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, graph_capture=False, eos_token_id=[])
+    assert all(joint_weight(*ws) is not None for ws in _groups(model))
+    unpack_projections(model)
+    engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, temperature=0.0))
+    assert all(joint_weight(*ws) is not None for ws in _groups(model))
+    engine.pack_weights = False
+    unpack_projections(model)
+    engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, temperature=0.0))
+    assert all(joint_weight(*ws) is None for ws in _groups(model))
+
+
 def test_save_pretrained_while_packed_and_after_removal(tmp_path):
     """A packed model saves and reloads with the same weights (transformers clones disjoint views of one storage),
     and so does one after removal (each weight its own storage again)."""

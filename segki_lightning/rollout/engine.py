@@ -86,7 +86,8 @@ class RolloutEngine:
         self.model, self.max_batch_size, self.max_seq_len = model, max_batch_size, max_seq_len
         self.use_segki = use_segki
         self.report = apply_segment_ki(model) if use_segki else None
-        if use_segki and pack_weights:
+        self.pack_weights = use_segki and pack_weights
+        if self.pack_weights:
             pack_projections(model)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -115,6 +116,8 @@ class RolloutEngine:
         prompts = self._check_prompts(prompts, sampling)
         n_rows = len(prompts) * sampling.n
         bucket = self._bucket(n_rows)
+        if self.pack_weights:   # a no-op unless something gave the weights new storage since (e.g. ``.to()``)
+            pack_projections(self.model)
         self._allocate()
         was_training = self.model.training
         self.model.eval()
