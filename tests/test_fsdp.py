@@ -113,7 +113,9 @@ def test_gathered_weights_swap_in_and_out_and_keep_their_storage(one_rank_group,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
+    from segki_lightning.inject.packing import projection_groups
     from segki_lightning.lightning.fsdp import GatheredWeights, decoder_layers, shard_policy, through_root
+    from segki_lightning.ops import joint_weight
 
     from .tiny_models import build_model
 
@@ -136,6 +138,9 @@ def test_gathered_weights_swap_in_and_out_and_keep_their_storage(one_rank_group,
     gathered = GatheredWeights(model, torch.float32)
     gathered.gather()
     ptrs = {k: v.data_ptr() for k, v in gathered.full.items()}
+    groups = projection_groups(model, injected_only=False)
+    assert len(groups) == 4 + 3 + 1     # each group's full copies are rows of one buffer: one product past 16 rows
+    assert all(joint_weight(*(gathered.full[id(w)] for w in ws)) is not None for ws in groups)
     with gathered.swapped(), torch.no_grad():
         params = dict(model.named_parameters())
         assert not any(isinstance(p, DTensor) for p in params.values())

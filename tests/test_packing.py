@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from segki_lightning import RolloutEngine, SamplingConfig
 from segki_lightning.inject import apply_segment_ki, pack_projections, remove_segment_ki, unpack_projections
-from segki_lightning.inject.packing import _groups
+from segki_lightning.inject.packing import projection_groups
 from segki_lightning.ops import dispatch, joint_weight
 
 from .tiny_models import VOCAB, build_model, padded_batch
@@ -30,10 +30,10 @@ def test_packing_moves_storage_only(tmp_path):
     values = {k: v.clone() for k, v in model.state_dict().items()}
     assert pack_projections(model) == 4 + 3 + 1      # 4 MLPs, 3 Gated-DeltaNet blocks, 1 attention block
     assert pack_projections(model) == 0
-    assert all(joint_weight(*ws) is not None for ws in _groups(model))
+    assert all(joint_weight(*ws) is not None for ws in projection_groups(model))
     assert dict(model.named_parameters()) == params  # same objects under the same names
     assert all(torch.equal(v, values[k]) for k, v in model.state_dict().items())
-    groups = _groups(model)
+    groups = projection_groups(model)
     remove_segment_ki(model)
     assert all(joint_weight(*ws) is None for ws in groups)
     assert all(w.untyped_storage().nbytes() == w.numel() * w.element_size() for ws in groups for w in ws)
@@ -125,8 +125,8 @@ def test_packed_rollout_equals_unpacked(tmp_path, rows, family):
     packed = RolloutEngine(model, max_batch_size=32, max_seq_len=40, graph_capture=False, eos_token_id=[])
     plain = RolloutEngine(twin, max_batch_size=32, max_seq_len=40, graph_capture=False, eos_token_id=[],
                           pack_weights=False)
-    assert all(joint_weight(*ws) is not None for ws in _groups(model))
-    assert all(joint_weight(*ws) is None for ws in _groups(twin))
+    assert all(joint_weight(*ws) is not None for ws in projection_groups(model))
+    assert all(joint_weight(*ws) is None for ws in projection_groups(twin))
     g = torch.Generator().manual_seed(rows)
     lengths = torch.randint(1, 20, (rows,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lengths]
@@ -141,14 +141,14 @@ def test_the_engine_packs_again_after_the_weights_moved(tmp_path):
     rollout; with ``pack_weights=False`` they are left alone."""
     model = build_model("qwen3_5", tmp_path)
     engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, graph_capture=False, eos_token_id=[])
-    assert all(joint_weight(*ws) is not None for ws in _groups(model))
+    assert all(joint_weight(*ws) is not None for ws in projection_groups(model))
     unpack_projections(model)
     engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert all(joint_weight(*ws) is not None for ws in _groups(model))
+    assert all(joint_weight(*ws) is not None for ws in projection_groups(model))
     engine.pack_weights = False
     unpack_projections(model)
     engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert all(joint_weight(*ws) is None for ws in _groups(model))
+    assert all(joint_weight(*ws) is None for ws in projection_groups(model))
 
 
 def test_save_pretrained_while_packed_and_after_removal(tmp_path):

@@ -21,11 +21,12 @@ GROUPS = (("gate_proj", "up_proj"), ("in_proj_qkv", "in_proj_z", "in_proj_b", "i
           ("q_proj", "k_proj", "v_proj"))
 
 
-def _groups(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The weights of each group of an injected module, in the order the joint product splits them."""
+def projection_groups(model: nn.Module, injected_only: bool = True) -> list[list[nn.Parameter]]:
+    """The weights of each group (of the injected modules only, by default), in the order the joint product
+    splits them."""
     found = []
     for m in model.modules():
-        if fw.SPEC not in m.__dict__:
+        if injected_only and fw.SPEC not in m.__dict__:
             continue
         for names in GROUPS:
             linears = [getattr(m, n, None) for n in names]
@@ -49,7 +50,7 @@ def pack_projections(model: nn.Module) -> int:
     """Pack each group of the injected modules' projection weights into one buffer; returns how many groups moved
     (groups already packed, or not packable, stay as they are)."""
     moved = 0
-    for weights in _groups(model):
+    for weights in projection_groups(model):
         if joint_weight(*weights) is not None or not _packable(weights):
             continue
         first = weights[0]
@@ -67,7 +68,7 @@ def pack_projections(model: nn.Module) -> int:
 @torch.no_grad()
 def unpack_projections(model: nn.Module) -> int:
     """Give every weight of each packed group its own storage again; returns how many groups were packed."""
-    groups = [ws for ws in _groups(model) if joint_weight(*ws) is not None]
+    groups = [ws for ws in projection_groups(model) if joint_weight(*ws) is not None]
     for weights in groups:
         for w in weights:
             w.data = w.data.clone()

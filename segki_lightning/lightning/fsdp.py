@@ -135,18 +135,39 @@ class GatheredWeights:
     @torch.no_grad()
     def gather(self) -> None:
         """All-gather every parameter into its full copy, in place (a collective: every rank calls it)."""
+        if not self.full:
+            self._allocate()
         done: set[int] = set()
         for _, _, shard in self.slots:
             if id(shard) in done:   # a tied weight: one copy
                 continue
             done.add(id(shard))
             full = shard.full_tensor()
-            held = self.full.get(id(shard))
-            if held is None:
-                held = self.full[id(shard)] = nn.Parameter(torch.empty(full.shape, dtype=self.dtype,
-                                                                       device=full.device), requires_grad=False)
-            held.copy_(full)
+            self.full[id(shard)].copy_(full)
             del full
+
+    def _allocate(self) -> None:
+        """Empty full copies. The weights of each projection group (``inject.packing``: gate|up, the GDN input
+        projections, q|k|v) are rows of one buffer, as ``pack_projections`` lays them out on one device, so past
+        the fused GEMVs' rows the rollout takes one product per group here too."""
+        from ..inject.packing import projection_groups
+
+        shards = {id(shard): shard for _, _, shard in self.slots}
+        for weights in projection_groups(self.module, injected_only=False):
+            ids = [id(w) for w in weights]
+            if (any(i not in shards or i in self.full for i in ids) or len(set(ids)) != len(ids)
+                    or any(w.dim() != 2 or w.shape[1] != weights[0].shape[1] for w in weights)):
+                continue   # not all sharded here, shared with another group, or not one input width
+            buf = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=self.dtype,
+                              device=weights[0].device)
+            row = 0
+            for w in weights:
+                self.full[id(w)] = nn.Parameter(buf[row:row + w.shape[0]], requires_grad=False)
+                row += w.shape[0]
+        for sid, shard in shards.items():
+            if sid not in self.full:
+                self.full[sid] = nn.Parameter(torch.empty(shard.shape, dtype=self.dtype, device=shard.device),
+                                              requires_grad=False)
 
     def free(self) -> None:
         self.full.clear()

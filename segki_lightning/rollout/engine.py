@@ -68,7 +68,7 @@ class RolloutEngine:
         pack_weights: with ``use_segki``, move each injected module's input-projection weights into one buffer
             (:func:`~segki_lightning.inject.pack_projections`: same Parameters, one storage move) so batches past
             the fused GEMVs' rows take one product per group. False where something else owns the storage
-            (FSDP's gathered buffers).
+            (FSDP's gathered copies, which are laid out packed already).
         eos_token_id, pad_token_id: default to the model's generation config.
 
     Example:
