@@ -35,14 +35,26 @@ def projection_groups(model: nn.Module, injected_only: bool = True) -> list[list
     return found
 
 
+def one_width(weights: list[Tensor]) -> bool:
+    """Distinct matrices of one input width: what one product over their rows needs."""
+    return len({id(w) for w in weights}) == len(weights) and all(
+        w.dim() == 2 and w.shape[1] == weights[0].shape[1] for w in weights)
+
+
+def group_buffer(weights: list[Tensor], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
+    """One empty buffer for the group, split into a ``[N_i, K]`` view per weight, in order."""
+    return torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=dtype,
+                       device=device).split([w.shape[0] for w in weights])
+
+
 def _packable(weights: list[nn.Parameter]) -> bool:
     """Plain dense matrices of one dtype, device and width, each the sole owner of its storage (not a shard, a
     gathered buffer's view or a tied weight)."""
     first = weights[0]
-    return all(type(w) is nn.Parameter and type(w.data) is torch.Tensor and not w.is_meta and w.dim() == 2
-               and w.is_contiguous() and w.dtype == first.dtype and w.device == first.device
-               and w.shape[1] == first.shape[1] and w.untyped_storage().nbytes() == w.numel() * w.element_size()
-               for w in weights) and len({id(w) for w in weights}) == len(weights)
+    return one_width(weights) and all(
+        type(w) is nn.Parameter and type(w.data) is torch.Tensor and not w.is_meta and w.is_contiguous()
+        and w.dtype == first.dtype and w.device == first.device
+        and w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights)
 
 
 @torch.no_grad()
@@ -53,14 +65,9 @@ def pack_projections(model: nn.Module) -> int:
     for weights in projection_groups(model):
         if joint_weight(*weights) is not None or not _packable(weights):
             continue
-        first = weights[0]
-        buf = torch.empty(sum(w.shape[0] for w in weights), first.shape[1], dtype=first.dtype, device=first.device)
-        row = 0
-        for w in weights:
-            part: Tensor = buf[row:row + w.shape[0]]
+        for w, part in zip(weights, group_buffer(weights, weights[0].dtype, weights[0].device)):
             part.copy_(w)
             w.data = part
-            row += w.shape[0]
         moved += 1
     return moved
 

@@ -150,20 +150,14 @@ class GatheredWeights:
         """Empty full copies. The weights of each projection group (``inject.packing``: gate|up, the GDN input
         projections, q|k|v) are rows of one buffer, as ``pack_projections`` lays them out on one device, so past
         the fused GEMVs' rows the rollout takes one product per group here too."""
-        from ..inject.packing import projection_groups
+        from ..inject.packing import group_buffer, one_width, projection_groups
 
         shards = {id(shard): shard for _, _, shard in self.slots}
         for weights in projection_groups(self.module, injected_only=False):
-            ids = [id(w) for w in weights]
-            if (any(i not in shards or i in self.full for i in ids) or len(set(ids)) != len(ids)
-                    or any(w.dim() != 2 or w.shape[1] != weights[0].shape[1] for w in weights)):
-                continue   # not all sharded here, shared with another group, or not one input width
-            buf = torch.empty(sum(w.shape[0] for w in weights), weights[0].shape[1], dtype=self.dtype,
-                              device=weights[0].device)
-            row = 0
-            for w in weights:
-                self.full[id(w)] = nn.Parameter(buf[row:row + w.shape[0]], requires_grad=False)
-                row += w.shape[0]
+            if not one_width(weights) or any(id(w) not in shards or id(w) in self.full for w in weights):
+                continue   # not one input width, not all sharded here, or shared with another group
+            for w, part in zip(weights, group_buffer(weights, self.dtype, weights[0].device)):
+                self.full[id(w)] = nn.Parameter(part, requires_grad=False)
         for sid, shard in shards.items():
             if sid not in self.full:
                 self.full[sid] = nn.Parameter(torch.empty(shard.shape, dtype=self.dtype, device=shard.device),
