@@ -82,8 +82,7 @@ class SegKICallback(pl.Callback):
             self._engine = RolloutEngine(policy, max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len,
                                          use_segki=self.use_segki, graph_capture=self.graph_capture,
                                          eos_token_id=getattr(pl_module, "eos_token_id", None),
-                                         pad_token_id=getattr(pl_module, "pad_token_id", None),
-                                         pack_weights=self._gathered is None)
+                                         pad_token_id=getattr(pl_module, "pad_token_id", None))
         pl_module.__dict__["_segki_callback"] = self
         rank_zero_info(f"segki: rollout path {self._engine.path}")
         if self._engine.report is not None:

@@ -67,8 +67,8 @@ class RolloutEngine:
         graph_capture: capture the decode step in a CUDA graph (CUDA only; eager otherwise).
         pack_weights: with ``use_segki``, move each injected module's input-projection weights into one buffer
             (:func:`~segki_lightning.inject.pack_projections`: same Parameters, one storage move) so batches past
-            the fused GEMVs' rows take one product per group. False where something else owns the storage
-            (FSDP's gathered copies, which are laid out packed already).
+            the fused GEMVs' rows take one product per group (groups already laid out so, as FSDP's gathered
+            copies are, and weights that do not own their storage are left alone). False: never, for comparisons.
         eos_token_id, pad_token_id: default to the model's generation config.
 
     Example:
