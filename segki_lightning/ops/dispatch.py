@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import reference
 from .extension import has_native
+from .switches import check_switches
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -28,19 +29,20 @@ GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj":
 # tok/s, 4B 321 -> 328) and loses 8 % at b=16 on 0.8B (9506 -> 8771) and 2 % on 4B: the epilogue's scalar
 # conv-state reads and writes grow with the rows, while the launch it saves does not.
 CONV_EPILOGUE_ROWS = 1
-# A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after the
-# CUDA-core rows: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to
-# 16 rows, and decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there. Small weights stay native: on the
-# 0.8B shape (4-7 MB) cuBLAS is as fast in isolation, but decode loses 4-5 % at b=8-16 with it (a cuBLAS
-# launch breaks the chain of programmatic dependent launches that the native kernels keep).
-# (benchmarks/results/decode_limits/)
+# A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after one
+# row: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to 16 rows, and
+# decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there (benchmarks/results/decode_limits/); at 2-4 rows,
+# with every 4B projection on cuBLAS, b=2 gains 10 % (583 -> 643 tok/s) and b=4 31 % (913 -> 1198) over the
+# CUDA-core GEMVs (benchmarks/results/rows_4b/). Small weights stay native: on the 0.8B shape (4-7 MB) cuBLAS is
+# as fast in isolation, but decode loses 4-5 % at b=8-16 with it (a cuBLAS launch breaks the chain of
+# programmatic dependent launches that the native kernels keep).
 LARGE_LINEAR_BYTES = 16 * 2**20
-LARGE_WEIGHT_ROWS = 4
-# The multi-weight projections (gate|up, q|k|v, the GDN input projection) of large weights leave it after the
-# CUDA-core rows too, since one cuBLAS product covers packed weights: on the 4B shape (gate|up 100 MB, GDN input
-# 63 MB, q|k|v 52 MB) decode gains 15 % with cuBLAS there (b=8 1907 -> 2190 tok/s, b=16 3398 -> 3915). The 0.8B
-# shapes (11-17 MB) stay native: with every projection on cuBLAS past 4 rows its decode lost 3-10 %.
-# (benchmarks/results/joint/)
+LARGE_WEIGHT_ROWS = 1
+# The multi-weight projections (gate|up, q|k|v, the GDN input projection) of large weights leave it after one row
+# too, since one cuBLAS product covers packed weights: on the 4B shape (gate|up 100 MB, GDN input 63 MB, q|k|v
+# 52 MB) decode gains 15 % at 8-16 rows with cuBLAS there (b=8 1907 -> 2190 tok/s, b=16 3398 -> 3915;
+# benchmarks/results/joint/). The 0.8B shapes (11-17 MB) stay native: with every projection on cuBLAS past 4
+# rows its decode lost 3-10 %.
 LARGE_FUSED_BYTES = 32 * 2**20
 
 
@@ -62,9 +64,23 @@ MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselve
 JOINT = os.environ.get("SEGKI_JOINT", "1") != "0"
 
 
+def _l2_prefetch_bytes() -> int:
+    """``SEGKI_L2_PREFETCH`` (MiB, default 24) in bytes; a value the switch does not accept names what to change."""
+    raw = os.environ.get("SEGKI_L2_PREFETCH", "24")
+    check_switches({"SEGKI_L2_PREFETCH": raw})
+    return int(raw) << 20
+
+
+# A cuBLAS product is launched in plain stream order: its weight stream starts only once the kernel before it
+# has ended, and at 16-32 rows its ramp and tail cost more than the bytes. Before each product past the native
+# rows, ``l2_prefetch`` (launched under programmatic dependent launch, so it runs beside the native kernel before
+# it) warms L2 with the first SEGKI_L2_PREFETCH MiB of the weight (0: no warm-up).
+L2_PREFETCH_BYTES = _l2_prefetch_bytes()
+
+
 def native_rows(op: str, *weights: Tensor) -> int:
-    """Rows up to which the projection ``op`` with these weights runs natively: ``MAX_ROWS[op]``, or the
-    CUDA-core rows for large weights (unless ``SEGKI_GEMV_MAX_ROWS`` set one limit for all)."""
+    """Rows up to which the projection ``op`` with these weights runs natively: ``MAX_ROWS[op]``, or
+    ``LARGE_WEIGHT_ROWS`` for large weights (unless ``SEGKI_GEMV_MAX_ROWS`` set one limit for all)."""
     large = LARGE_LINEAR_BYTES if op == "linear" else LARGE_FUSED_BYTES
     if ROWS_FROM_ENV or sum(w.numel() * w.element_size() for w in weights) < large:
         return MAX_ROWS[op]
@@ -136,8 +152,19 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
     w = joint_weight(*weights)
     if w is None:
         return None
+    _warm_l2(x, w)
     y = F.linear(x.reshape(-1, x.shape[-1]), w)                                     # [M, sum N_i]
     return list(y.split([t.shape[0] for t in weights], dim=-1))
+
+
+def _warm_l2(x: Tensor, w: Tensor) -> None:
+    """Ask for the first ``L2_PREFETCH_BYTES`` of ``w`` in L2 ahead of a cuBLAS product ``x @ w^T`` past the
+    native rows (decode only: no autograd recording, not under torch.compile)."""
+    if (not L2_PREFETCH_BYTES or not x.is_cuda or not w.is_contiguous() or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return
+    if has_native("l2_prefetch"):
+        _native("l2_prefetch")(w, L2_PREFETCH_BYTES)
 
 
 def backend(op: str, dtype: torch.dtype, device: torch.device | str) -> str:
@@ -155,6 +182,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
+    _warm_l2(x, weight)
     return reference.linear(x, weight, bias, residual)
 
 

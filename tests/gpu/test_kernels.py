@@ -389,6 +389,74 @@ def test_packed_projections_take_one_product_past_the_gemv_rows(rows, dtype):
     assert torch.equal(got, want) and torch.equal(conv, conv2) and torch.equal(rec, rec2)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("nbytes", [8, 16, 4096 + 48, 3 << 20, 40 << 20])
+def test_l2_prefetch_reads_only_and_keeps_stream_order(nbytes, graph):
+    """The L2 warm-up changes no memory (weights of less than one request, a ragged tail, more than the limit; a view
+    off a 16-byte boundary is skipped), and it ends only after the native kernel before it, which lets it start
+    early: a PyTorch kernel queued after it reads that kernel's output complete (poisoned with NaN beforehand),
+    eagerly and replayed in a CUDA graph."""
+    w = torch.randint(-2**15, 2**15, (nbytes // 2,), dtype=torch.int16, device="cuda").view(torch.bfloat16)
+    keep = w.clone()
+    gate, up = torch.empty(4096, 8192, dtype=torch.bfloat16, device="cuda"), torch.empty_like(gate)
+
+    def step():
+        out = torch.ops.segki.silu_mul(gate, up)         # ~50 us; lets its dependents launch first
+        torch.ops.segki.l2_prefetch(w, 24 << 20)
+        torch.ops.segki.l2_prefetch(w[1:], 24 << 20)     # 2 bytes off alignment: nothing to do
+        return out.float().sum(dim=1)                    # plain stream order after the warm-up
+
+    g = torch.cuda.CUDAGraph() if graph else None
+    for i in range(3):                                   # fresh inputs: a stale output would show
+        gate.copy_(randn(4096, 8192, dtype=torch.bfloat16))
+        up.copy_(randn(4096, 8192, dtype=torch.bfloat16))
+        want = torch.ops.segki.silu_mul(gate, up).float().sum(dim=1)
+        torch.cuda.synchronize()
+        if graph:
+            if i == 0:
+                with torch.cuda.graph(g):
+                    got = step()
+            g.replay()
+        else:
+            poison((4096, 8192), dtype=torch.bfloat16)
+            got = step()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert torch.equal(w.view(torch.int16), keep.view(torch.int16))
+
+
+def test_cublas_products_past_the_gemv_rows_warm_their_weight_first(monkeypatch):
+    """Past the native rows a single projection and a packed group each ask for their weight in L2 once, right
+    before the product, with the same result; not with SEGKI_L2_PREFETCH=0, and not while autograd records."""
+    from torch import nn
+
+    from segki_lightning import ops
+    from segki_lightning.inject.packing import pack_projections
+
+    calls = []
+    native = dispatch._native
+    monkeypatch.setattr(dispatch, "_native", lambda op: (calls.append(op), native(op))[1])
+    block = nn.Module()
+    block.gate_proj, block.up_proj = (nn.Linear(1024, 3584, bias=False, device="cuda", dtype=torch.bfloat16)
+                                      for _ in range(2))
+    block.down_proj = nn.Linear(3584, 1024, bias=False, device="cuda", dtype=torch.bfloat16)
+    block.__dict__["_segki_spec"] = None
+    assert pack_projections(block) == 1
+    x, h = randn(32, 1024, dtype=torch.bfloat16), randn(32, 3584, dtype=torch.bfloat16)
+    wg, wu, wd = block.gate_proj.weight, block.up_proj.weight, block.down_proj.weight
+    with torch.no_grad():
+        front, down = ops.gated_mlp_front(x, wg, wu), ops.linear(h, wd)
+        assert calls == ["l2_prefetch", "silu_mul", "l2_prefetch"]
+        calls.clear()
+        monkeypatch.setattr(dispatch, "L2_PREFETCH_BYTES", 0)
+        assert torch.equal(ops.gated_mlp_front(x, wg, wu), front) and torch.equal(ops.linear(h, wd), down)
+        assert calls == ["silu_mul"]
+    monkeypatch.setattr(dispatch, "L2_PREFETCH_BYTES", 24 << 20)
+    calls.clear()
+    ops.linear(h, wd).sum().backward()
+    assert calls == [] and wd.grad is not None
+
+
 GDN_IN_SHAPES = {"4b": (2560, 16, 32, 128, 128), "08b": (1024, 16, 16, 128, 128), "odd": (72, 2, 6, 64, 96)}
 
 
