@@ -99,8 +99,7 @@ def test_kernel_switches_accept_their_values_and_name_what_to_change():
 
     check_switches({})
     check_switches({"SEGKI_PDL": "0", "SEGKI_ATTN": "batched", "SEGKI_GEMV_PIPE": "1", "SEGKI_GEMV_BULK": "0",
-                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_L2_PREFETCH": "0",
-                    "SEGKI_CACHE": "/x", "PATH": "/bin"})
+                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_CACHE": "/x", "PATH": "/bin"})
     with pytest.raises(ValueError, match=r"SEGKI_GEMV_BLK is not a segki switch .*SEGKI_GEMV_BULK.*unset it"):
         check_switches({"SEGKI_GEMV_BLK": "1"})
     with pytest.raises(ValueError, match=r"SEGKI_GEMV_BULK='grid': expected 0 or 1 .*or unset for the default"):
@@ -108,20 +107,8 @@ def test_kernel_switches_accept_their_values_and_name_what_to_change():
     for bad in ("-2", "2k", ""):
         with pytest.raises(ValueError, match=r"SEGKI_GEMV_PREFETCH=.*expected <int >= -1>"):
             check_switches({"SEGKI_GEMV_PREFETCH": bad})
-    with pytest.raises(ValueError, match=r"SEGKI_L2_PREFETCH='-1': expected <int >= 0>"):
-        check_switches({"SEGKI_L2_PREFETCH": "-1"})
     with pytest.raises(ValueError, match=r"SEGKI_ATTN='Batched'.*; SEGKI_PDL='off'"):  # every problem at once
         check_switches({"SEGKI_PDL": "off", "SEGKI_ATTN": "Batched"})
-
-
-def test_the_l2_warm_up_size_is_read_in_mib_and_checked(monkeypatch):
-    monkeypatch.setenv("SEGKI_L2_PREFETCH", "8")
-    assert dispatch._l2_prefetch_bytes() == 8 << 20
-    monkeypatch.setenv("SEGKI_L2_PREFETCH", "8MB")
-    with pytest.raises(ValueError, match=r"SEGKI_L2_PREFETCH='8MB': expected <int >= 0> \(MiB"):
-        dispatch._l2_prefetch_bytes()
-    monkeypatch.delenv("SEGKI_L2_PREFETCH")
-    assert dispatch._l2_prefetch_bytes() == dispatch.L2_PREFETCH_BYTES == 24 << 20
 
 
 def test_a_bad_kernel_switch_stops_the_extension_before_it_loads(monkeypatch):

@@ -14,7 +14,6 @@ from torch import Tensor
 
 from . import reference
 from .extension import has_native
-from .switches import check_switches
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -62,20 +61,6 @@ MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselve
 # Past those rows, projections whose weights are packed (inject.packing) run as one cuBLAS product over the
 # packed buffer; SEGKI_JOINT=0 keeps one product per weight (for comparisons)
 JOINT = os.environ.get("SEGKI_JOINT", "1") != "0"
-
-
-def _l2_prefetch_bytes() -> int:
-    """``SEGKI_L2_PREFETCH`` (MiB, default 24) in bytes; a value the switch does not accept names what to change."""
-    raw = os.environ.get("SEGKI_L2_PREFETCH", "24")
-    check_switches({"SEGKI_L2_PREFETCH": raw})
-    return int(raw) << 20
-
-
-# A cuBLAS product is launched in plain stream order: its weight stream starts only once the kernel before it
-# has ended, and at 16-32 rows its ramp and tail cost more than the bytes. Before each product past the native
-# rows, ``l2_prefetch`` (launched under programmatic dependent launch, so it runs beside the native kernel before
-# it) warms L2 with the first SEGKI_L2_PREFETCH MiB of the weight (0: no warm-up).
-L2_PREFETCH_BYTES = _l2_prefetch_bytes()
 
 
 def native_rows(op: str, *weights: Tensor) -> int:
@@ -152,19 +137,8 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
     w = joint_weight(*weights)
     if w is None:
         return None
-    _warm_l2(x, w)
     y = F.linear(x.reshape(-1, x.shape[-1]), w)                                     # [M, sum N_i]
     return list(y.split([t.shape[0] for t in weights], dim=-1))
-
-
-def _warm_l2(x: Tensor, w: Tensor) -> None:
-    """Ask for the first ``L2_PREFETCH_BYTES`` of ``w`` in L2 ahead of a cuBLAS product ``x @ w^T`` past the
-    native rows (decode only: no autograd recording, not under torch.compile)."""
-    if (not L2_PREFETCH_BYTES or not x.is_cuda or not w.is_contiguous() or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return
-    if has_native("l2_prefetch"):
-        _native("l2_prefetch")(w, L2_PREFETCH_BYTES)
 
 
 def backend(op: str, dtype: torch.dtype, device: torch.device | str) -> str:
@@ -182,7 +156,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
-    _warm_l2(x, weight)
     return reference.linear(x, weight, bias, residual)
 
 
