@@ -119,6 +119,7 @@ def drop_tips(path: Path) -> None:
     packages and sites, not anything measured."""
     if path.exists():
         lines = path.read_text().splitlines(keepends=True)
+        path.write_text("".join(ln for ln in lines if not ln.lstrip().startswith("\N{ELECTRIC LIGHT BULB}")))
 
 
 def last_error(output: str) -> str:

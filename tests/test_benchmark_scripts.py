@@ -81,6 +81,16 @@ def test_grpo_summary_takes_the_median_rollout_so_one_slow_step_does_not_move_th
     assert pairs == [((reused[i][0] + reused[i + 1][0]) / 2, reused[i][1] / 2) for i in range(0, 8, 2)]
 
 
+def test_grpo_logs_lose_lightnings_install_tips_and_nothing_else(tmp_path):
+    grpo = load_script("grpo_gpu")
+    log = tmp_path / "run.log"
+    kept = ["cmd --x\n", "Seed set to 0\n", "  tip of the day: unchanged\n", "[step] 0.99 s\n"]
+    log.write_text(kept[0] + "\N{ELECTRIC LIGHT BULB} Tip: try installing a logger\n" + "".join(kept[1:]))
+    grpo.drop_tips(log)
+    grpo.drop_tips(tmp_path / "absent.log")
+    assert log.read_text() == "".join(kept)
+
+
 def test_sass_order_reads_the_issue_order_and_registers_of_each_gemv_kernel():
     sass_order = load_script("sass_order")
     name = "_ZN5segki12_GLOBAL__N_115gemv_mma_kernelI13__nv_bfloat16Li2ELNS0_8EpilogueE0ELb1EEEvNS0_8GemvArgsIT_EEi"
