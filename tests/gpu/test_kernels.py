@@ -389,6 +389,78 @@ def test_packed_projections_take_one_product_past_the_gemv_rows(rows, dtype):
     assert torch.equal(got, want) and torch.equal(conv, conv2) and torch.equal(rec, rec2)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [2, 5, 16, 32, 64])
+@pytest.mark.parametrize("shape", ["4b_gate_up", "4b_down", "08b_gdn_in", "08b_down"])
+def test_tuned_linear_matches_the_product_and_keeps_its_choice(shape, rows, dtype):
+    """cuBLASLt's product with the algorithm timed for this shape: within the dtype's tolerance of the fp32
+    product, every element written (poisoned output), and the same bits on a second call, in a CUDA graph
+    captured after it, and after the inputs' rows were written again (the choice is kept per shape)."""
+    k, ns = PROJ_SHAPES[shape]
+    x, w = randn(rows, k, dtype=dtype), randn(sum(ns), k, dtype=dtype, scale=k**-0.5)
+    poison((rows, sum(ns)), dtype=dtype)
+    got = torch.ops.segki.tuned_linear(x, w)
+    assert got.shape == (rows, sum(ns)) and got.dtype == dtype
+    assert rel_err(got, R.tuned_linear(*f32(x, w))) < TOL[dtype]
+    assert_every_element(got, R.tuned_linear(*f32(x, w)), dtype)
+    assert torch.equal(torch.ops.segki.tuned_linear(x, w), got)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        replayed = torch.ops.segki.tuned_linear(x, w)
+    x.copy_(randn(rows, k, dtype=dtype))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, torch.ops.segki.tuned_linear(x, w))
+
+
+def test_tuned_linear_captured_before_any_timing_takes_the_first_pick():
+    """A shape first seen inside graph capture cannot be timed: the graph runs the heuristic's first pick, correct
+    within tolerance, and an eager call afterwards still times and answers."""
+    x, w = randn(24, 1024, dtype=torch.bfloat16), randn(4104, 1024, dtype=torch.bfloat16, scale=1024**-0.5)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = torch.ops.segki.tuned_linear(x, w)
+    g.replay()
+    torch.cuda.synchronize()
+    want = R.tuned_linear(*f32(x, w))
+    assert rel_err(got, want) < TOL[torch.bfloat16]
+    assert rel_err(torch.ops.segki.tuned_linear(x, w), want) < TOL[torch.bfloat16]
+
+
+def test_projections_past_the_gemv_rows_take_the_tuned_product(monkeypatch):
+    """Past the native rows a single projection (with its residual add) and a packed group run ``tuned_linear``
+    within tolerance of the fp32 reference; SEGKI_GEMM_TUNE=0 and autograd recording keep cuBLAS's default."""
+    from torch import nn
+
+    from segki_lightning import ops
+    from segki_lightning.inject.packing import pack_projections
+
+    calls = []
+    native = dispatch._native
+    monkeypatch.setattr(dispatch, "_native", lambda op: (calls.append(op), native(op))[1])
+    block = nn.Module()
+    block.gate_proj, block.up_proj = (nn.Linear(1024, 3584, bias=False, device="cuda", dtype=torch.bfloat16)
+                                      for _ in range(2))
+    block.__dict__["_segki_spec"] = None
+    assert pack_projections(block) == 1
+    wg, wu = block.gate_proj.weight, block.up_proj.weight
+    wd = nn.Parameter(randn(1024, 3584, dtype=torch.bfloat16, scale=3584**-0.5))
+    x, h = randn(32, 1024, dtype=torch.bfloat16), randn(32, 3584, dtype=torch.bfloat16)
+    res = randn(32, 1024, dtype=torch.bfloat16)
+    with torch.no_grad():
+        front, down = ops.gated_mlp_front(x, wg, wu), ops.linear(h, wd, None, res)
+    assert calls == ["tuned_linear", "silu_mul", "tuned_linear"]
+    assert rel_err(front, R.gated_mlp_front(*f32(x, wg, wu))) < TOL[torch.bfloat16]
+    assert rel_err(down, R.linear(*f32(h, wd, None, res))) < TOL[torch.bfloat16]
+    calls.clear()
+    monkeypatch.setattr(dispatch, "GEMM_TUNE", False)
+    with torch.no_grad():
+        ops.linear(h, wd, None, res)
+    monkeypatch.setattr(dispatch, "GEMM_TUNE", True)
+    ops.linear(h, wd).float().sum().backward()
+    assert calls == [] and wd.grad is not None
+
+
 GDN_IN_SHAPES = {"4b": (2560, 16, 32, 128, 128), "08b": (1024, 16, 16, 128, 128), "odd": (72, 2, 6, 64, 96)}
 
 
