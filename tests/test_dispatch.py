@@ -99,8 +99,7 @@ def test_kernel_switches_accept_their_values_and_name_what_to_change():
 
     check_switches({})
     check_switches({"SEGKI_PDL": "0", "SEGKI_ATTN": "batched", "SEGKI_GEMV_PIPE": "1", "SEGKI_GEMV_BULK": "0",
-                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_GEMM_TUNE": "0",
-                    "SEGKI_CACHE": "/x", "PATH": "/bin"})
+                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_CACHE": "/x", "PATH": "/bin"})
     with pytest.raises(ValueError, match=r"SEGKI_GEMV_BLK is not a segki switch .*SEGKI_GEMV_BULK.*unset it"):
         check_switches({"SEGKI_GEMV_BLK": "1"})
     with pytest.raises(ValueError, match=r"SEGKI_GEMV_BULK='grid': expected 0 or 1 .*or unset for the default"):
@@ -140,14 +139,3 @@ def test_every_switch_the_kernels_read_is_declared_with_the_values_they_compare(
         assert name in KERNEL_SWITCHES, f"{name} is read by the kernels but not declared"
     for name, value in compared:
         assert _accepts(KERNEL_SWITCHES[name][0], value), f"{name}={value} is compared but not accepted"
-
-
-def test_projections_past_the_native_rows_keep_the_plain_product_without_the_extension():
-    """Without the native ``tuned_linear`` (CPU, no extension) a projection past the native rows is the reference
-    product bit for bit, with and without its residual add, and records gradients."""
-    x, w, res = torch.randn(40, 1, 64), torch.randn(48, 64, requires_grad=True), torch.randn(40, 1, 48)
-    with torch.no_grad():
-        assert torch.equal(dispatch.linear(x, w), reference.linear(x, w))
-        assert torch.equal(dispatch.linear(x, w, None, res), reference.linear(x, w, None, res))
-    dispatch.linear(x, w).sum().backward()
-    assert w.grad.shape == w.shape

@@ -43,33 +43,17 @@ def _include_dirs() -> list[str]:
     return [str(p) for p in sorted(site.glob("nvidia/cu*/include")) if p.is_dir()]
 
 
-def cublaslt_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(defines, link flags) for cuBLASLt: the library of torch's CUDA major version, beside torch's CUDA libraries
-    (``nvidia/cu*/lib``, ``nvidia/cublas/lib``) or in the toolkit. The tuned products (csrc/tuned_gemm.cpp) need
-    it; without it (no flags) they run cuBLAS's default algorithm."""
-    if torch.version.cuda is None:
-        return (), ()
-    name = f"libcublasLt.so.{torch.version.cuda.split('.')[0]}"
-    site = Path(sysconfig.get_paths()["purelib"])
-    cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    for folder in [*sorted(site.glob("nvidia/cu*/lib")), site / "nvidia" / "cublas" / "lib", cuda_home / "lib64"]:
-        if (folder / name).exists():
-            return ("-DSEGKI_HAVE_CUBLASLT",), (f"-L{folder}", f"-l:{name}", f"-Wl,-rpath,{folder}")
-    return (), ()
-
-
 def compile_library(name: str, sources: list[Path], out: Path, arch: str, extra_ldflags: tuple[str, ...] = (),
-                    verbose: bool = False, include_dirs: tuple[Path, ...] = (), defines: tuple[str, ...] = ()) -> Path:
+                    verbose: bool = False, include_dirs: tuple[Path, ...] = ()) -> Path:
     """Compile (if needed) ``sources`` into ``out/<name>.so`` for ``arch`` and load it into ``torch.ops``
-    (``include_dirs``: more header folders, e.g. the extension's own for a benchmark's kernels; ``defines``:
-    ``-D`` flags for C++ and CUDA sources alike)."""
+    (``include_dirs``: more header folders, e.g. the extension's own for a benchmark's kernels)."""
     if "CUDA_HOME" not in os.environ and Path("/usr/local/cuda/bin/nvcc").exists():
         os.environ["CUDA_HOME"] = "/usr/local/cuda"  # before cpp_extension derives it from a wrapper nvcc
     from torch.utils.cpp_extension import load as cpp_load
 
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
-    cpp_load(name=name, sources=[str(s) for s in sources], build_directory=str(out), extra_cflags=["-O3", *defines],
-             extra_cuda_cflags=["-O3", "-lineinfo", *defines], extra_ldflags=list(extra_ldflags),
+    cpp_load(name=name, sources=[str(s) for s in sources], build_directory=str(out), extra_cflags=["-O3"],
+             extra_cuda_cflags=["-O3", "-lineinfo"], extra_ldflags=list(extra_ldflags),
              extra_include_paths=[*map(str, include_dirs), *_include_dirs()], is_python_module=False, verbose=verbose)
     return out / f"{name}.so"
 
@@ -77,9 +61,7 @@ def compile_library(name: str, sources: list[Path], out: Path, arch: str, extra_
 def load(arch: str | None = None, verbose: bool = False) -> Path:
     """Compile (if needed) and load the extension into ``torch.ops.segki``; return the library path."""
     arch = _arch_list(arch)
-    defines, lt_link = cublaslt_flags()
-    so = compile_library(NAME, kernel_sources(), build_dir(arch), arch, (*LINK_LIBSTDCXX, *lt_link), verbose,
-                         defines=defines)
+    so = compile_library(NAME, kernel_sources(), build_dir(arch), arch, LINK_LIBSTDCXX, verbose)
     from . import fake  # noqa: F401  (meta implementations for tracing / torch.compile)
 
     return so

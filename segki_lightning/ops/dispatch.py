@@ -61,10 +61,6 @@ MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselve
 # Past those rows, projections whose weights are packed (inject.packing) run as one cuBLAS product over the
 # packed buffer; SEGKI_JOINT=0 keeps one product per weight (for comparisons)
 JOINT = os.environ.get("SEGKI_JOINT", "1") != "0"
-# Those cuBLAS products (up to TUNED_ROWS rows: decode batches) run through ``tuned_linear``: cuBLASLt with its
-# algorithm timed once per shape instead of its heuristic's first pick. SEGKI_GEMM_TUNE=0: cuBLAS's default.
-TUNED_ROWS = 64
-GEMM_TUNE = os.environ.get("SEGKI_GEMM_TUNE", "1") != "0"
 
 
 def native_rows(op: str, *weights: Tensor) -> int:
@@ -141,19 +137,8 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
     w = joint_weight(*weights)
     if w is None:
         return None
-    y = _product(x.reshape(-1, x.shape[-1]), w)                                     # [M, sum N_i]
+    y = F.linear(x.reshape(-1, x.shape[-1]), w)                                     # [M, sum N_i]
     return list(y.split([t.shape[0] for t in weights], dim=-1))
-
-
-def _tunable(x: Tensor, w: Tensor) -> bool:
-    """Whether ``x [..., K] @ w [N, K]^T`` takes ``tuned_linear``: decode-sized, eligible inputs."""
-    ok = w.dim() == 2 and x.shape[-1] % 8 == 0 and w.shape[0] % 8 == 0
-    return GEMM_TUNE and eligible("tuned_linear", x, w, max_rows=TUNED_ROWS, shape_ok=ok)
-
-
-def _product(x: Tensor, w: Tensor) -> Tensor:
-    """``x [M, K] @ w [N, K]^T``: the tuned cuBLASLt product for decode-sized M, else cuBLAS's default."""
-    return _native("tuned_linear")(x, w) if _tunable(x, w) else F.linear(x, w)
 
 
 def backend(op: str, dtype: torch.dtype, device: torch.device | str) -> str:
@@ -171,9 +156,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
-    if bias is None and _tunable(x, weight):
-        out = _native("tuned_linear")(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], -1)   # [..., N]
-        return out if residual is None else residual + out
     return reference.linear(x, weight, bias, residual)
 
 

@@ -45,8 +45,3 @@ def gdn_in_proj(
     """Gated-DeltaNet input projections: ``x [..., K]`` -> ``qkv [..., 2*Hk*Dk + Hv*Dv]``,
     ``z [..., Hv*Dv]``, ``b [..., Hv]``, ``a [..., Hv]``."""
     return F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a)
-
-
-def tuned_linear(x: Tensor, w: Tensor) -> Tensor:
-    """``x [M, K] @ w [N, K]^T`` -> ``[M, N]``: one product, whatever algorithm computes it."""
-    return F.linear(x, w)
