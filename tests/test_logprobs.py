@@ -179,3 +179,44 @@ def test_memory_is_bounded_by_the_chunk():
         (logp.sum() + ent.sum()).backward()
     assert Largest.biggest <= max(4 * vocab * 4, vocab * hid * 4), Largest.biggest
     assert Largest.biggest < 64 * vocab * 4 / 4
+
+
+@pytest.mark.parametrize("injected", [False, True], ids=["plain_model", "injected"])
+def test_padding_only_after_the_completions_runs_the_model_without_a_mask(tmp_path, monkeypatch, injected):
+    """Unpadded prompts and completions that end early: the model gets no attention mask (a causal model never lets
+    a real token see the padding after it) and the scores and gradients equal the masked computation; a completion
+    mask that turns back on, or a padded prompt, keeps the mask."""
+    model = build_model("qwen3_5", tmp_path).train()
+    if injected:
+        apply_segment_ki(model)
+    prompt_ids, _, completion_ids, completion_mask = ragged_batch()
+    prompt_mask = torch.ones_like(prompt_ids)
+    prompt_ids = torch.randint(2, VOCAB, prompt_ids.shape)
+    masks = []
+    forward = type(model.model).forward
+    monkeypatch.setattr(type(model.model), "forward",
+                        lambda self, *a, **kw: (masks.append(kw.get("attention_mask")), forward(self, *a, **kw))[1])
+    batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
+    completion_logprobs(model, *batch)            # the first call also probes the head (two unmasked forwards)
+    masks.clear()
+    got = completion_logprobs(model, *batch)
+    assert masks == [None]
+    want = plain(model, *batch, 1.0)
+    for g, w in zip(got[:2], want[:2]):
+        torch.testing.assert_close(g, w, **TOL)
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    torch.manual_seed(seed)
+    g_got, _ = grads(model, *got[:2])
+    torch.manual_seed(seed)
+    g_want, _ = grads(model, *want[:2])
+    for (name, _), a, b in zip(model.named_parameters(), g_got, g_want):
+        if b is not None:
+            assert_grad_close(a, b, name)
+    holes = completion_mask.clone()
+    holes[0, 0], holes[0, -1] = 0, 1
+    padded_prompt = prompt_mask.clone()
+    padded_prompt[1, 0] = 0
+    for pm, cm in ((prompt_mask, holes), (padded_prompt, completion_mask)):
+        masks.clear()
+        completion_logprobs(model, prompt_ids, pm, completion_ids, cm)
+        assert len(masks) == 1 and torch.equal(masks[0], torch.cat([pm, cm], 1))

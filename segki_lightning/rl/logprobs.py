@@ -138,11 +138,12 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
     t = temperature if temperature > 0 else 1.0
     p = prompt_ids.shape[1]
     sel = completion_mask.bool()                                               # [N, T]
+    model_mask = None if _only_trailing_padding(prompt_mask, completion_mask) else mask
     if not _plain_head(model, ids[:1, -8:]):
-        return _plain_scores(model, ids, mask, positions, p, completion_ids, sel, t, value_head)
+        return _plain_scores(model, ids, model_mask, positions, p, completion_ids, sel, t, value_head)
 
     def chunked() -> TokenScores:
-        hidden = model.base_model(input_ids=ids, attention_mask=mask, position_ids=positions,
+        hidden = model.base_model(input_ids=ids, attention_mask=model_mask, position_ids=positions,
                                   use_cache=False).last_hidden_state[:, p - 1:-1]  # [N, T, H]
         logp_m, ent_m = token_logprobs(hidden[sel], model.get_output_embeddings(), completion_ids[sel], t, chunk)
         zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)
@@ -150,6 +151,15 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
         return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
 
     return through_root(model, chunked)
+
+
+def _only_trailing_padding(prompt_mask: Tensor, completion_mask: Tensor) -> bool:
+    """Whether every row's padding comes after its last completion token (no prompt padding, completion masks
+    that never turn back on). A causal model never lets a real token see those positions, so it may run without
+    a mask -- SDPA's causal path instead of an [N, 1, L, L] mask, whose first use costs a new attention path --
+    and every real token's score is the same. One host sync."""
+    trailing = (completion_mask[:, 1:] <= completion_mask[:, :-1]).all()
+    return bool((prompt_mask.all() & trailing).item())
 
 
 def _values(value_head: nn.Module | None, hidden: Tensor) -> Tensor | None:
