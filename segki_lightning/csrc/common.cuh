@@ -200,9 +200,13 @@ inline long env_long(const char* name, long fallback, long lo, long hi) {
   return v == nullptr ? fallback : std::min(hi, std::max(lo, std::atol(v)));
 }
 
-inline void check_cuda_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
+inline void check_cuda_dtype(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
   TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+}
+
+inline void check_cuda_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
+  check_cuda_dtype(t, op, name, dtype);
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
@@ -210,8 +214,7 @@ inline void check_cuda_half(const at::Tensor& t, const char* op, const char* nam
 // product over packed weights); returns its row stride in elements. Contiguous tensors of any rank count as
 // rows of their last dimension.
 inline int64_t check_rows_half(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda(), op, ": ", name, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  check_cuda_dtype(t, op, name, dtype);
   if (t.is_contiguous()) return t.dim() == 0 ? 1 : t.size(-1);
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1 && t.stride(0) >= t.size(1), op, ": ", name,
               " must be contiguous or a matrix of contiguous rows (strides ", t.strides(), ")");

@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const T* row = mixed + (size_t)b * ld.mixed;
   // every other read of the step requested now too: behind the block and cluster barriers below each was a
   // round trip of its own (ptxas does not move loads across them)
-  const T v_raw = row[2 * hk * DK + h * dv + j];
+  const int cv = 2 * hk * DK + h * dv + j;   // this thread's value channel
+  const T v_raw = row[cv];
   const T a_raw = agate[(size_t)b * ld.a + h], b_raw = bgate[(size_t)b * ld.b + h];
   auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
     return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
@@ -119,7 +120,6 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     qq += qv * qv;
     kk += kv * kv;
   }
-  const int cv = 2 * hk * DK + h * dv + j;
   float v;
   if constexpr (CONV) {   // the four threads of column j convolve its value channel alike; thread ty 0 keeps it
     T wv[kMaxConvWidth];
