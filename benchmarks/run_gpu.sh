@@ -20,8 +20,6 @@
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
 #           native rows (default) and one per weight (SEGKI_JOINT=0) (joint/{packed,separate}/decode.json/md);
 #           benchmarks/kernels.py's projections at those rows, with the packed rows (joint/kernels/)
-#   gdnconv benchmarks/decode.py at 4, 16 and 32 rows with the GDN conv inside the recurrence kernel (default) and as
-#           its own kernel (SEGKI_GDN_CONV=separate) (gdnconv/{fused,separate}/decode.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -87,12 +85,6 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/kernels.py --out "$out/joint/kernels" --batches 8 16 32 --only proj \
                > "$out/joint_kernels.log" 2>&1 || tail -5 "$out/joint_kernels.log"
              grep -E "packed" "$out/joint/kernels/kernels.md" | cut -d'|' -f2-10 ;;
-    gdnconv) for run in "fused SEGKI_GDN_CONV=fused" "separate SEGKI_GDN_CONV=separate"; do
-               set -- $run
-               env "$2" python3 benchmarks/decode.py --out "$out/gdnconv/$1" --batches 4 16 32 --hf-eager-batches \
-                 --hf-compile-batches --no-graph-only > "$out/gdnconv_$1.log" 2>&1 || tail -5 "$out/gdnconv_$1.log"
-               echo "-- $2"; grep -E "ours" "$out/gdnconv/$1/decode.md" | cut -d'|' -f2,4,5,6,7
-             done ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;

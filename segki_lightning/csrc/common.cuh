@@ -93,26 +93,6 @@ __device__ __forceinline__ float conv_token(T* __restrict__ st, const T* __restr
   return silu(acc);
 }
 
-// conv_token for a conv state that other blocks still read (the recurrence kernel's own conv): the same
-// arithmetic in the same order (the same bits), with the channel's next state written to win[0..width) for the
-// caller to store once every reader is done. (conv_token keeps its own loop: written through this one, the GEMV
-// epilogues that inline it compiled to other registers, and their timings were measured as they are.)
-template <typename T>
-__device__ __forceinline__ float conv_window(const T* __restrict__ st, const T* __restrict__ w,
-                                             const T* __restrict__ bias, int c, float x, int width, T* win) {
-  float acc = 0.f;
-#pragma unroll
-  for (int i = 0; i < kMaxConvWidth; ++i) {
-    if (i < width) {
-      const float v = i + 1 < width ? to_float<T>(st[i + 1]) : x;
-      win[i] = from_float<T>(v);
-      acc += v * to_float<T>(w[(size_t)c * width + i]);
-    }
-  }
-  if (bias) acc += to_float<T>(bias[c]);
-  return silu(acc);
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

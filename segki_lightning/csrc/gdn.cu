@@ -1,13 +1,9 @@
-// Fused Gated-DeltaNet decode step (after the input projections): one kernel instead of the ~15 ops
-// transformers runs per layer and token (gdn_decode_step), the recurrence alone (gdn_recurrent_step) when the
-// conv ran in the in-projection's epilogue (gemv.cu, gdn_in_proj_conv):
-//   conv: shift the conv state left by one, append the new q|k|v token, depthwise conv + SiLU;
-//   recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
-//   state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
-// gdn_decode_step runs the conv inside the recurrence kernel (each block convolves the q/k channels of its key
-// head and its own 32 value channels; the cluster spans every value head of a key head, so the q/k conv state is
-// stored once all of them have read it) when that cluster has at most 8 blocks; else, or under
-// SEGKI_GDN_CONV=separate, a conv kernel runs first.
+// Fused Gated-DeltaNet decode step (after the input projections), two kernels instead of the ~15 ops
+// transformers runs per layer and token (gdn_decode_step), or the second alone (gdn_recurrent_step) when
+// the conv ran in the in-projection's epilogue (gemv.cu, gdn_in_proj_conv):
+//   1. conv: shift the conv state left by one, append the new q|k|v token, depthwise conv + SiLU.
+//   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
+//      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
 // Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
 // rounded to the activation dtype exactly where the reference does).
 #include "common.cuh"
@@ -29,15 +25,6 @@ struct RowStrides {
   int64_t mixed, z, b, a;
 };
 
-// The conv the recurrence kernel runs itself (gdn_decode_step): state [B, C, width], weight [C, width], bias [C].
-template <typename T>
-struct ConvIn {
-  T* state;
-  const T* w;
-  const T* bias;
-  int width;
-};
-
 template <typename T>
 __global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __restrict__ conv_state,
                                 const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ mixed,
@@ -50,16 +37,15 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __
   mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, x, width));
 }
 
-// grid (Hv * tiles, B), block 128 threads: a block owns 32 state columns of its head; thread (ty, jl) keeps rows
-// [ty*Dk/4, (ty+1)*Dk/4) of column tile*32 + jl in registers. Clusters of `tiles` blocks (one value head), or with
-// CONV of tiles * Hv/Hk blocks (every value head of one key head). The gated RMSNorm over a head's Dv outputs sums
-// its tiles' partial squares through distributed shared memory. CONV: `mixed` is q|k|v before the conv.
-template <typename T, int DK, bool CONV>
+// grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
+// block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
+// tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
+// through distributed shared memory.
+template <typename T, int DK>
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
-    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps,
-    ConvIn<T> conv) {
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
   pdl_start();  // everything below reads what earlier kernels wrote
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
@@ -68,11 +54,8 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
   const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
   const int kh = h / (hv / hk);
-  const int head_rank = CONV ? (h % (hv / hk)) * tiles : 0;   // the cluster rank of this head's first tile
-  const bool conv_owner = CONV && head_rank + tile == 0;      // stores the cluster's q/k conv state
   __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
   __shared__ float sq_part;
-  __shared__ T qk_win[CONV ? 2 * DK : 1][kMaxConvWidth], v_win[CONV ? 32 : 1][kMaxConvWidth];
   // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
   float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
   float s[R];
@@ -81,60 +64,25 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const T* row = mixed + (size_t)b * ld.mixed;
   // every other read of the step requested now too: behind the block and cluster barriers below each was a
   // round trip of its own (ptxas does not move loads across them)
-  const int cv = 2 * hk * DK + h * dv + j;   // this thread's value channel
-  const T v_raw = row[cv];
+  const T v_raw = row[2 * hk * DK + h * dv + j];
   const T a_raw = agate[(size_t)b * ld.a + h], b_raw = bgate[(size_t)b * ld.b + h];
   auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
     return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
   };
   const float dt_b = param(dt_bias), a_lg = param(a_log);
   const T z_raw = z[(size_t)b * ld.z + h * dv + j], nw_raw = norm_w[j];
-  const int c_total = 2 * hk * DK + hv * dv;
-  T* conv_row = CONV ? conv.state + (size_t)b * c_total * conv.width : nullptr;
-  // the conv of channel c on its raw value x, rounded to T as the separate conv kernel's output is; the channel's
-  // next conv state goes to win
-  auto convolve = [&](int c, T x, T* win) {
-    return round_to<T>(conv_window<T>(conv_row + (size_t)c * conv.width, conv.w, conv.bias, c, to_float<T>(x),
-                                      conv.width, win));
-  };
   float qq = 0.f, kk = 0.f;
   for (int i = threadIdx.x; i < DK; i += 128) {
-    const int cq = kh * DK + i, ck = hk * DK + kh * DK + i;
-    float qv, kv;
-    if constexpr (CONV) {   // every block of the cluster convolves its key head's channels; one keeps the state
-      T wq[kMaxConvWidth], wk[kMaxConvWidth];
-      qv = convolve(cq, row[cq], wq);
-      kv = convolve(ck, row[ck], wk);
-      if (conv_owner) {
-#pragma unroll
-        for (int t = 0; t < kMaxConvWidth; ++t) {  // unrolled and predicated: wq/wk stay in registers
-          if (t < conv.width) qk_win[i][t] = wq[t], qk_win[DK + i][t] = wk[t];
-        }
-      }
-    } else {
-      qv = to_float<T>(row[cq]);
-      kv = to_float<T>(row[ck]);
-    }
+    const float qv = to_float<T>(row[kh * DK + i]);
+    const float kv = to_float<T>(row[hk * DK + kh * DK + i]);
     sq[i] = qv;
     sk[i] = kv;
     qq += qv * qv;
     kk += kv * kv;
   }
-  float v;
-  if constexpr (CONV) {   // the four threads of column j convolve its value channel alike; thread ty 0 keeps it
-    T wv[kMaxConvWidth];
-    v = convolve(cv, v_raw, wv);
-    if (ty == 0) {
-#pragma unroll
-      for (int t = 0; t < kMaxConvWidth; ++t) {
-        if (t < conv.width) v_win[jl][t] = wv[t];
-      }
-    }
-  } else {
-    v = to_float<T>(v_raw);
-  }
   const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
   const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
+  const float v = to_float<T>(v_raw);
   const float x = to_float<T>(a_raw) + dt_b;
   const float g = -expf(a_lg) * (x > 20.f ? x : log1pf(expf(x)));
   const float beta = round_to<T>(sigmoid(to_float<T>(b_raw)));
@@ -165,24 +113,12 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   }
   cluster_barrier();
   float total = 0.f;
-  for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, head_rank + r);
+  for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, r);
   cluster_barrier();  // peers' shared memory stays alive until every block has read it
   // the new state is stored only now: each cluster barrier above fences memory GPU-wide (MEMBAR.ALL.GPU in the
-  // SASS), and stores still in flight there would hold every warp of the cluster at it. The q/k conv state too:
-  // every block of the cluster read it before the first barrier.
+  // SASS), and stores still in flight there would hold every warp of the cluster at it
 #pragma unroll
   for (int i = 0; i < R; ++i) st[(size_t)i * dv] = s[i];
-  if constexpr (CONV) {
-    if (conv_owner) {
-      for (int i = threadIdx.x; i < 2 * DK; i += 128) {
-        const int c = i < DK ? kh * DK + i : hk * DK + kh * DK + (i - DK);
-        for (int t = 0; t < conv.width; ++t) conv_row[(size_t)c * conv.width + t] = qk_win[i][t];
-      }
-    }
-    if (ty == 0) {
-      for (int t = 0; t < conv.width; ++t) conv_row[(size_t)cv * conv.width + t] = v_win[jl][t];
-    }
-  }
   if (ty == 0) {
     const float n = round_to<T>(o * rsqrtf(total / dv + eps));
     const float t = round_to<T>(to_float<T>(nw_raw) * n);
@@ -222,18 +158,11 @@ GdnDims check_recurrence(const char* op, const at::Tensor& mixed, const at::Tens
   return d;
 }
 
-// gdn_decode_step's conv inputs, when the recurrence kernel runs the conv itself.
-struct ConvTensors {
-  at::Tensor& state;
-  const at::Tensor& weight;
-  const c10::optional<at::Tensor>& bias;
-};
-
-// Launches the recurrence on `mixed` (after the conv, or before it with `conv`); returns [B, Hv*Dv].
+// Launches the recurrence on `mixed` (after the conv); returns [B, Hv*Dv].
 at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor& mixed, const at::Tensor& z,
                              const at::Tensor& b, const at::Tensor& a, at::Tensor& recurrent_state,
                              const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
-                             double norm_eps, const ConvTensors* conv = nullptr) {
+                             double norm_eps) {
   const auto dt = mixed.scalar_type();
   // Read the gate parameters where they are (no per-step cast kernels) when both share fp32 or the
   // activation dtype; any other mix is converted once per call.
@@ -246,26 +175,20 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   auto out = at::empty({d.bsz, d.hv * d.dv}, mixed.options());
   if (d.bsz == 0) return out;
   RowStrides ld = d.ld;
-  ld.mixed = mixed.is_contiguous() ? d.c_total : mixed.stride(0);
+  ld.mixed = mixed.is_contiguous() ? d.c_total : mixed.stride(0);   // gdn_decode_step: the conv's own output
   c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int tiles = d.dv / 32, cluster = conv ? tiles * (d.hv / d.hk) : tiles;
   SEGKI_DISPATCH_HALF(dt, op, [&] {
-    ConvIn<T> cv{};
-    if (conv) {
-      cv = {reinterpret_cast<T*>(conv->state.data_ptr()), reinterpret_cast<const T*>(conv->weight.data_ptr()),
-            conv->bias ? reinterpret_cast<const T*>(conv->bias->data_ptr()) : nullptr, (int)conv->state.size(2)};
-    }
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
-      auto kernel = conv ? gdn_recurrent_kernel<T, DK, true> : gdn_recurrent_kernel<T, DK, false>;
-      launch_pdl(kernel, dim3(d.hv * tiles, d.bsz), dim3(128), stream, dim3(cluster),
+      // clusters of Dv/32 blocks: one cluster per (value head, row)
+      launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(d.hv * (d.dv / 32), d.bsz), dim3(128), stream, dim3(d.dv / 32),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
-          reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv, (float)norm_eps, cv);
+          reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv, (float)norm_eps);
     };
     with_head_dim(d.dk, launch);
   });
@@ -287,13 +210,6 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   const int width = (int)conv_state.size(2);
   TORCH_CHECK(width <= kMaxConvWidth && conv_weight.size(0) == d.c_total && conv_weight.size(1) == width, op,
               ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
-  TORCH_CHECK(conv_state.sizes() == at::IntArrayRef({d.bsz, d.c_total, width}), op, ": conv_state ",
-              conv_state.sizes(), " != [B, C, width]");
-  // the conv inside the recurrence kernel when one cluster can hold every value head of a key head
-  if ((d.dv / 32) * (d.hv / d.hk) <= 8 && !env_is("SEGKI_GDN_CONV", "separate")) {
-    const ConvTensors conv{conv_state, conv_weight, conv_bias};
-    return launch_recurrence(op, d, qkv, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, norm_eps, &conv);
-  }
   auto mixed = at::empty(qkv.sizes(), qkv.options());   // contiguous, whatever qkv's row stride
   if (d.bsz > 0) {
     c10::cuda::CUDAGuard guard(qkv.device());

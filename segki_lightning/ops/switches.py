@@ -17,9 +17,6 @@ KERNEL_SWITCHES = {
     "SEGKI_GEMV_BULK_CHUNKS": (tuple("12345678"), "chunks of weight rows per block on the copy-engine path (1)"),
     "SEGKI_GEMV_PREFETCH": ("<int >= -1>", "bytes of each weight row warmed in L2 before the PDL wait (-1: all)"),
     "SEGKI_GEMV_MAX_ROWS": ("<int >= 1>", "one native row limit for every decode GEMV"),
-    "SEGKI_GDN_CONV": (("fused", "separate"), "separate: the GDN decode step runs its conv as a kernel of its own "
-                                              "before the recurrence (fused, the default: inside it where one "
-                                              "cluster holds a key head's value heads)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }

@@ -336,35 +336,6 @@ def test_gdn_step_reads_column_slices_of_one_product_exactly(shape, batch, dtype
     assert torch.equal(got, want) and torch.equal(rec2, rec3)
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("batch", [1, 2, 17, 32])
-@pytest.mark.parametrize("shape", list(GDN_SHAPES))
-def test_gdn_step_with_the_conv_in_the_recurrence_equals_the_separate_conv(shape, batch, dtype, bias, monkeypatch):
-    """gdn_decode_step with the conv inside the recurrence kernel (one cluster per key head and row: the 4B, 0.8B
-    and dk256 shapes) gives the bits of the conv kernel + recurrence (SEGKI_GDN_CONV=separate) in the output and
-    both states, on a q|k|v that is a column slice of one product; a shape whose cluster would pass 8 blocks
-    ("odd": 3 tiles x 3 value heads per key head) runs the separate kernels either way."""
-    hk, hv, dk, dv = GDN_SHAPES[shape]
-    g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
-    c = g["qkv"].shape[1]
-    if bias:
-        g["conv_bias"] = randn(c, dtype=dtype, scale=0.5)
-    joint = torch.cat([g["qkv"], g["z"]], dim=1)
-    g["qkv"], g["z"] = joint.split([c, hv * dv], dim=1)
-    tail = (1e-6, hk, dk, dv)
-    runs = []
-    for mode in ("fused", "separate"):
-        monkeypatch.setenv("SEGKI_GDN_CONV", mode)
-        run = dict(g, conv_state=g["conv_state"].clone(), recurrent_state=g["recurrent_state"].clone())
-        poison((batch, hv * dv), (batch, c), dtype=dtype)
-        out = torch.ops.segki.gdn_decode_step(*run.values(), *tail)
-        runs.append((out, run["conv_state"], run["recurrent_state"]))
-    for got, want in zip(*runs):
-        assert not torch.isnan(got).any() and torch.equal(got, want)
-    assert not torch.equal(runs[0][1], g["conv_state"])      # the conv state moved
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 32, 300])
 def test_silu_mul_reads_the_halves_of_one_product_exactly(rows, dtype):
