@@ -86,7 +86,10 @@ def write_checkpoint(shape: str, folder: Path) -> int:
 def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, args) -> tuple[int, float, str]:
     """Run the recipe in its own process; its command line and output go to ``args.out/<run>.log``."""
     on = SWITCHES[mode]
-    cmd = [sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo", "model=pretrained",
+    here = str(Path(__file__).resolve().parent)   # so that overrides may name bench_rewards' functions
+    stacks = run_dir.parent / f"{run_dir.name}.stacks.jsonl"
+    python = [sys.executable, f"{here}/stack_sampler.py", "--out", str(stacks)] if args.stacks else [sys.executable]
+    cmd = [*python, "-m", "segki_lightning.train", "--config-name", "grpo", "model=pretrained",
            f"model.pretrained={ckpt}", "trainer=gpu", f"trainer.devices={devices}",
            f"trainer.strategy={args.strategy if devices > 1 or args.strategy == 'fsdp' else 'auto'}", f"trainer.max_steps={args.steps[mode]}",
            "trainer.enable_progress_bar=false", "algo.num_generations=8", f"algo.max_completion_length={case.tokens}",
@@ -100,7 +103,6 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
         cmd.append("model.gradient_checkpointing=true")
     cmd.extend(args.overrides)
     t0 = time.perf_counter()
-    here = str(Path(__file__).resolve().parent)   # so that overrides may name bench_rewards' functions
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
            "HYDRA_FULL_ERROR": "1"}   # the whole traceback in the run's log
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -187,6 +189,8 @@ def main() -> None:
     ap.add_argument("--segki-steps", type=int, default=10)
     ap.add_argument("--off-steps", type=int, default=4)
     ap.add_argument("--warm", type=int, default=2)
+    ap.add_argument("--stacks", action="store_true", help="sample each run's main-thread stack (stack_sampler.py) "
+                    "into runs/<run>.stacks.jsonl; one GPU per run")
     ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run, e.g. "
                     "algo.num_iterations=2")
     args = ap.parse_args()

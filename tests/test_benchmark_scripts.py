@@ -111,3 +111,27 @@ def test_sass_order_reads_the_issue_order_and_registers_of_each_gemv_kernel():
     assert sass_order.kernels(sass) == {"mma plain NB=2 pipe=1": "WxM|", "small gated rows<=1": "Wfs"}
     res = f" Function {name}:\n  REG:128 STACK:0 SHARED:1024\n Function {small}:\n  REG:56 STACK:0\n"
     assert sass_order.registers(res) == {"mma plain NB=2 pipe=1": 128, "small gated rows<=1": 56}
+
+
+def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
+    """A module whose third "step" sleeps in its own function: the sampler's summary names it for the longest
+    segment, and not for the median one."""
+    (tmp_path / "steps_mod.py").write_text(
+        "import sys, time\n"
+        "def rollout_and_score():\n    time.sleep(0.1)\n"
+        "def slow_first_use():\n    time.sleep(0.6)\n"
+        "def train(i):\n    time.sleep(0.1)\n    if i == 2:\n        slow_first_use()\n"
+        "assert sys.argv[1:] == ['--steps', '4']\n"
+        "for i in range(4):\n    rollout_and_score()\n    train(i)\n")
+    out = tmp_path / "stacks.jsonl"
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    sampler = [sys.executable, str(ROOT / "benchmarks" / "stack_sampler.py")]
+    subprocess.run([*sampler, "--out", str(out), "-m", "steps_mod", "--steps", "4"], check=True, env=env)
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) > 30 and all(s["stack"] for s in samples)
+    summary = subprocess.run([*sampler, "--summary", str(out), "--show", "2"], check=True, capture_output=True,
+                             text=True, env=env).stdout
+    assert summary.count("segment ") >= 5
+    assert "longest segment 3 " in summary
+    top = summary.split("samples outside rollout_and_score\n")[1].splitlines()[0].split()
+    assert int(top[0]) >= 20 and top[1] == "0" and "slow_first_use" in top[2]

@@ -156,8 +156,8 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
 def _only_trailing_padding(prompt_mask: Tensor, completion_mask: Tensor) -> bool:
     """Whether every row's padding comes after its last completion token (no prompt padding, completion masks
     that never turn back on). A causal model never lets a real token see those positions, so it may run without
-    a mask -- SDPA's causal path instead of an [N, 1, L, L] mask, whose first use costs a new attention path --
-    and every real token's score is the same. One host sync."""
+    a mask -- SDPA's causal path instead of a materialized [N, 1, L, L] mask, and no masking of the GDN layers'
+    states -- and every real token's score is the same. One host sync."""
     trailing = (completion_mask[:, 1:] <= completion_mask[:, :-1]).all()
     return bool((prompt_mask.all() & trailing).item())
 
