@@ -82,7 +82,7 @@ def table(path: Path, spec: list[str]) -> None:
             unit = r["Metric Unit"]
             v = float(r["Metric Value"].replace(",", "")) if r["Metric Value"] not in ("", "n/a") else float("nan")
             if r["Metric Name"] == "Duration":
-                v = v / 1e3 if unit == "nsecond" else v * 1e3 if unit == "msecond" else v
+                v = v / 1e3 if unit in ("ns", "nsecond") else v * 1e3 if unit in ("ms", "msecond") else v
             rows[key][METRICS[r["Metric Name"]]] = v
     names = iter(case_names(spec))
     cols = list(METRICS.values())
@@ -90,7 +90,7 @@ def table(path: Path, spec: list[str]) -> None:
     current = "?"
     for key in order:
         r = rows[key]
-        if r["kernel"].startswith("spin_kernel"):
+        if "spin_kernel" in r["kernel"]:
             current = next(names, "?")
             continue
         print(f"| {current} | {r['kernel']} | " + " | ".join(f"{r.get(c, float('nan')):g}" for c in cols) + " |")

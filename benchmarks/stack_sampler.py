@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--out", help="where to write the samples (JSON lines)")
     ap.add_argument("-m", dest="module", help="the module to run, as python -m does; its arguments follow")
     ap.add_argument("--every", type=float, default=0.02, help="seconds between samples")
-    ap.add_argument("--depth", type=int, default=40, help="frames kept per sample")
+    ap.add_argument("--depth", type=int, default=400, help="frames kept per sample")
     ap.add_argument("--summary", help="samples to summarize instead of running anything")
     ap.add_argument("--split-at", default="rollout_and_score")
     ap.add_argument("--show", type=int, default=8, help="innermost frames per stack in the summary")
