@@ -225,19 +225,6 @@ __device__ __forceinline__ void pdl_start() {
   pdl_wait();
 }
 
-// Blocks of `Kernel` resident at once on the device with `threads` threads and `smem` bytes of dynamic shared
-// memory each: its first wave, and the distance in launch order between a block and the one that takes its slot
-// next.
-template <auto Kernel>
-int first_wave_blocks(int threads, int smem) {
-  static const int blocks = [&] {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem));
-    return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  }();
-  return blocks;
-}
-
 // The warp prefetches `rows` rows of a row-major [*, ld] half matrix, columns [k0, k1), into L2.
 template <typename T>
 __device__ __forceinline__ void prefetch_rows_l2(const T* p, int rows, size_t ld, int k0, int k1) {

@@ -37,27 +37,16 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __
   mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, x, width));
 }
 
-// The state columns [tile*32, tile*32 + 32) of block `block` of the recurrence's grid (Hv * tiles, B): one
-// 128-byte line per state row, Dk rows; the block's thread t asks L2 for rows t, t + 128, ...
-template <int DK>
-__device__ __forceinline__ void prefetch_state_l2(const float* state, int block, int tiles, int hv, int dv) {
-  const int per_row = hv * tiles, b = block / per_row, h = block % per_row / tiles, tile = block % tiles;
-  const float* slice = state + ((size_t)b * hv + h) * DK * dv + tile * 32;
-  for (int r = threadIdx.x; r < DK; r += blockDim.x)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(slice + (size_t)r * dv));
-}
-
 // grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
 // block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
 // tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
-// through distributed shared memory. `ahead`: the blocks resident at once (first_wave_blocks), so block
-// i + ahead is the one that takes block i's slot next.
+// through distributed shared memory.
 template <typename T, int DK>
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
-    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps,
-    int ahead) {
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
+  pdl_start();  // everything below reads what earlier kernels wrote
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -65,22 +54,13 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
   const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
   const int kh = h / (hv / hk);
-  const int self = blockIdx.y * gridDim.x + blockIdx.x, blocks = gridDim.x * gridDim.y;
   __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
   __shared__ float sq_part;
-  pdl_launch_dependents();
-  // Before the wait only L2 prefetches of the state, safe whatever kernel wrote it last (writes land in L2, a
-  // prefetch only warms it): the block's own slice, streaming while the previous kernel drains
-  prefetch_state_l2<DK>(state, self, tiles, hv, dv);
-  pdl_wait();  // everything below reads what earlier kernels wrote
   // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
   float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
   float s[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
-  // then the slice of the block that takes this one's slot next: past the first wave every block finds its
-  // state in L2, requested while its predecessor computed (the loads above wait for DRAM only in the first wave)
-  if (self + ahead < blocks) prefetch_state_l2<DK>(state, self + ahead, tiles, hv, dv);
   const T* row = mixed + (size_t)b * ld.mixed;
   // every other read of the step requested now too: behind the block and cluster barriers below each was a
   // round trip of its own (ptxas does not move loads across them)
@@ -201,7 +181,6 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   SEGKI_DISPATCH_HALF(dt, op, [&] {
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
-      const int ahead = first_wave_blocks<gdn_recurrent_kernel<T, DK>>(128, 0);
       // clusters of Dv/32 blocks: one cluster per (value head, row)
       launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(d.hv * (d.dv / 32), d.bsz), dim3(128), stream, dim3(d.dv / 32),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
@@ -209,7 +188,7 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()),
-          reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv, (float)norm_eps, ahead);
+          reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv, (float)norm_eps);
     };
     with_head_dim(d.dk, launch);
   });
