@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from segki_lightning.inject import apply_segment_ki, remove_segment_ki
-from segki_lightning.rl.logprobs import completion_logprobs, token_logprobs
+from segki_lightning.rl.logprobs import _layout, completion_logprobs, token_logprobs
 
 from .tiny_models import VOCAB, build_model
 
 TOL = dict(rtol=1e-6, atol=1e-6)   # fp32: the values; gradients are compared by norm (below)
+# Against the masked computation: batches whose padding can all follow the real tokens run the model unmasked, each
+# row's left padding moved to its end, so the attention takes the causal path instead of the mask and the
+# Gated-DeltaNet layers see no padding -- in fp32 within 1e-5 (seen: ~2.5e-6; in fp64 the two differ by ~1e-6,
+# the unmasked one being the rows' own scores, see below)
+TOL_LAYOUT = dict(rtol=1e-5, atol=1e-5)
 
 
 def assert_grad_close(got, want, name, tol=1e-5):
@@ -23,18 +28,27 @@ def assert_grad_close(got, want, name, tol=1e-5):
     assert err <= tol, (name, err)
 
 
-def plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, value_head=None):
-    """The computation the chunked path replaces: full logits, log_softmax, gather."""
-    ids = torch.cat([prompt_ids, completion_ids], 1)
-    mask = torch.cat([prompt_mask, completion_mask], 1)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0), use_cache=False,
-                output_hidden_states=True)
-    p = prompt_ids.shape[1]
-    logp_all = torch.log_softmax(out.logits[:, p - 1:-1].float() / temperature, -1)
-    m = completion_mask.float()
+def plain(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature, value_head=None,
+          masked=False):
+    """The computation the chunked path replaces: full logits, log_softmax, gather -- on the same layout of the
+    batch (``rl.logprobs._layout``: unmasked where all padding can follow the real tokens), or ``masked``: the
+    concatenated batch with its mask and cumulative positions, as the model would run it plainly."""
+    if masked:
+        ids = torch.cat([prompt_ids, completion_ids], 1)
+        mask = torch.cat([prompt_mask, completion_mask], 1)
+        p = prompt_ids.shape[1]
+        take = (p - 1 + torch.arange(completion_ids.shape[1])).expand(*completion_ids.shape)
+        positions = (mask.cumsum(1) - 1).clamp_min(0)
+    else:
+        ids, mask, positions, take = _layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, output_hidden_states=True)
+    at = (lambda x: x.gather(1, take[..., None].expand(*take.shape, x.shape[-1])))   # [N, T, ...] before each token
+    logits = at(out.logits)
+    logp_all = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    m = completion_mask.to(logp_all.dtype)
     logp = logp_all.gather(-1, completion_ids[..., None])[..., 0] * m
     entropy = -(logp_all.exp() * logp_all).sum(-1) * m
-    values = value_head(out.hidden_states[-1][:, p - 1:-1])[..., 0] if value_head is not None else None
+    values = value_head(at(out.hidden_states[-1]))[..., 0] * m if value_head is not None else None
     return logp, entropy, values
 
 
@@ -181,42 +195,76 @@ def test_memory_is_bounded_by_the_chunk():
     assert Largest.biggest < 64 * vocab * 4 / 4
 
 
+@pytest.mark.parametrize("prompts", ["unpadded", "left_padded"])
 @pytest.mark.parametrize("injected", [False, True], ids=["plain_model", "injected"])
-def test_padding_only_after_the_completions_runs_the_model_without_a_mask(tmp_path, monkeypatch, injected):
-    """Unpadded prompts and completions that end early: the model gets no attention mask (a causal model never lets
-    a real token see the padding after it) and the scores and gradients equal the masked computation; a completion
-    mask that turns back on, or a padded prompt, keeps the mask."""
+def test_padding_that_can_follow_the_real_tokens_runs_the_model_without_a_mask(tmp_path, monkeypatch, injected,
+                                                                                 prompts):
+    """Completions that end early, prompts unpadded or left-padded: the model gets no attention mask (each row's
+    left padding moves to its end; a causal model never lets a real token see what follows it) and transformers
+    builds none from the positions either; the scores are the masked computation's within fp32 reordering, and (fp64,
+    the model's own layers) exactly those each row gets by itself with its prompt padding dropped, to 1e-12. A
+    completion mask that turns back on keeps the mask."""
     model = build_model("qwen3_5", tmp_path).train()
     if injected:
         apply_segment_ki(model)
-    prompt_ids, _, completion_ids, completion_mask = ragged_batch()
-    prompt_mask = torch.ones_like(prompt_ids)
-    prompt_ids = torch.randint(2, VOCAB, prompt_ids.shape)
-    masks = []
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch()
+    if prompts == "unpadded":
+        prompt_mask = torch.ones_like(prompt_ids)
+        prompt_ids = torch.randint(2, VOCAB, prompt_ids.shape)
+    masks, sdpa_masks = [], []
     forward = type(model.model).forward
     monkeypatch.setattr(type(model.model), "forward",
                         lambda self, *a, **kw: (masks.append(kw.get("attention_mask")), forward(self, *a, **kw))[1])
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **kw: (
+        sdpa_masks.append((kw.get("attn_mask"), kw.get("is_causal"))), sdpa(*a, **kw))[1])
     batch = (prompt_ids, prompt_mask, completion_ids, completion_mask)
     completion_logprobs(model, *batch)            # the first call also probes the head (two unmasked forwards)
     masks.clear()
+    sdpa_masks.clear()
     got = completion_logprobs(model, *batch)
     assert masks == [None]
-    want = plain(model, *batch, 1.0)
+    # nor does transformers build one from the positions (a position that stops growing reads as a packed sequence)
+    assert sdpa_masks and all(m is None and causal for m, causal in sdpa_masks), sdpa_masks
+    want = plain(model, *batch, 1.0, masked=True)
     for g, w in zip(got[:2], want[:2]):
-        torch.testing.assert_close(g, w, **TOL)
-    seed = int(torch.randint(0, 2**31 - 1, ()))
-    torch.manual_seed(seed)
-    g_got, _ = grads(model, *got[:2])
-    torch.manual_seed(seed)
-    g_want, _ = grads(model, *want[:2])
-    for (name, _), a, b in zip(model.named_parameters(), g_got, g_want):
-        if b is not None:
-            assert_grad_close(a, b, name)
+        torch.testing.assert_close(g, w, **TOL_LAYOUT)
     holes = completion_mask.clone()
     holes[0, 0], holes[0, -1] = 0, 1
-    padded_prompt = prompt_mask.clone()
-    padded_prompt[1, 0] = 0
-    for pm, cm in ((prompt_mask, holes), (padded_prompt, completion_mask)):
-        masks.clear()
-        completion_logprobs(model, prompt_ids, pm, completion_ids, cm)
-        assert len(masks) == 1 and torch.equal(masks[0], torch.cat([pm, cm], 1))
+    masks.clear()
+    completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, holes)
+    assert len(masks) == 1 and torch.equal(masks[0], torch.cat([prompt_mask, holes], 1))
+    if injected:   # (the injected layers' fp64 scores depend on the batch at ~1e-7: not checked here)
+        return
+    model.double()
+    got = completion_logprobs(model, *batch)
+    for r in range(len(prompt_ids)):
+        keep = prompt_mask[r].bool()
+        own = completion_logprobs(model, prompt_ids[r:r + 1, keep], prompt_mask[r:r + 1, keep], completion_ids[r:r + 1],
+                                  completion_mask[r:r + 1])
+        torch.testing.assert_close(got.logp[r:r + 1], own.logp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got.entropy[r:r + 1], own.entropy, rtol=1e-12, atol=1e-12)
+
+
+def test_layout_moves_each_rows_left_padding_to_its_end_and_keeps_its_tokens_and_positions():
+    """Exact: in the unmasked layout every row holds its real prompt tokens, then its completion, then padding;
+    the real tokens' positions are those the masked layout gives them; ``take`` points at the token before each
+    completion token. A completion mask with a hole keeps the masked layout as it was."""
+    prompt_ids, prompt_mask, completion_ids, completion_mask = ragged_batch(rows=6, prompt=5, completion=6)
+    lay = _layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    assert lay.mask is None
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    mask = torch.cat([prompt_mask, completion_mask], 1).bool()
+    masked_positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+    for r in range(len(ids)):
+        n = int(mask[r].sum())
+        assert torch.equal(lay.ids[r, :n], ids[r][mask[r]])
+        assert torch.equal(lay.positions[r, :n], masked_positions[r][mask[r]])
+        assert torch.equal(lay.positions[r], torch.arange(ids.shape[1]))
+    sel = completion_mask.bool()
+    assert torch.equal(lay.ids.gather(1, lay.take + 1)[sel], completion_ids[sel])
+    holes = completion_mask.clone()
+    holes[0, 0], holes[0, -1] = 0, 1
+    kept = _layout(prompt_ids, prompt_mask, completion_ids, holes)
+    assert torch.equal(kept.ids, ids) and torch.equal(kept.mask, torch.cat([prompt_mask, holes], 1))
+    assert torch.equal(kept.take, (prompt_ids.shape[1] - 1 + torch.arange(6)).expand(6, 6))

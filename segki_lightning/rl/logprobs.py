@@ -23,7 +23,7 @@ _PLAIN_HEAD = "_segki_plain_head"
 
 
 class TokenScores(NamedTuple):
-    """Per completion token, ``[N, T]`` fp32 each, 0 where ``completion_mask`` is 0."""
+    """Per completion token, ``[N, T]`` fp32 (fp64 for an fp64 model) each, 0 where ``completion_mask`` is 0."""
 
     logp: Tensor                 # log_softmax(logits / temperature)[token]
     entropy: Tensor              # entropy of softmax(logits / temperature)
@@ -132,53 +132,79 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
 
     Positions count only real tokens (left padding does not shift them), so each row sees what it saw
     alone during the rollout. ``temperature <= 0`` (greedy rollouts) scores at temperature 1."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # [N, P+T]
-    mask = torch.cat([prompt_mask, completion_mask], dim=1)                    # [N, P+T]
-    positions = (mask.cumsum(1) - 1).clamp_min(0)
     t = temperature if temperature > 0 else 1.0
-    p = prompt_ids.shape[1]
     sel = completion_mask.bool()                                               # [N, T]
-    model_mask = None if _only_trailing_padding(prompt_mask, completion_mask) else mask
-    if not _plain_head(model, ids[:1, -8:]):
-        return _plain_scores(model, ids, model_mask, positions, p, completion_ids, sel, t, value_head)
+    lay = _layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if not _plain_head(model, torch.cat([prompt_ids[:1], completion_ids[:1]], 1)[:, -8:]):
+        return _plain_scores(model, lay, completion_ids, sel, t, value_head)
 
     def chunked() -> TokenScores:
-        hidden = model.base_model(input_ids=ids, attention_mask=model_mask, position_ids=positions,
-                                  use_cache=False).last_hidden_state[:, p - 1:-1]  # [N, T, H]
+        hidden = model.base_model(input_ids=lay.ids, attention_mask=lay.mask, position_ids=lay.positions,
+                                  use_cache=False).last_hidden_state
+        hidden = _predictors(hidden, lay.take)                                  # [N, T, H]
         logp_m, ent_m = token_logprobs(hidden[sel], model.get_output_embeddings(), completion_ids[sel], t, chunk)
-        zeros = torch.zeros(sel.shape, dtype=torch.float32, device=hidden.device)
-        values = _values(value_head, hidden)
+        zeros = torch.zeros(sel.shape, dtype=logp_m.dtype, device=hidden.device)   # fp32 (fp64 for fp64 models)
+        values = _values(value_head, hidden, sel)
         return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
 
     return through_root(model, chunked)
 
 
-def _only_trailing_padding(prompt_mask: Tensor, completion_mask: Tensor) -> bool:
-    """Whether every row's padding comes after its last completion token (no prompt padding, completion masks
-    that never turn back on). A causal model never lets a real token see those positions, so it may run without
-    a mask -- SDPA's causal path instead of a materialized [N, 1, L, L] mask, and no masking of the GDN layers'
-    states -- and every real token's score is the same. One host sync."""
+class _Layout(NamedTuple):
+    """What the model runs on: ``ids``, ``mask`` (None: no padding before any real token) and ``positions``,
+    ``[N, L]`` each, and ``take [N, T]``: where the hidden state that predicts each completion token sits."""
+
+    ids: Tensor
+    mask: Tensor | None
+    positions: Tensor
+    take: Tensor
+
+
+def _layout(prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> _Layout:
+    """The prompt and completion side by side, run without a mask where every row's padding can come after its last
+    real token: each row's left padding is moved to its end (a causal model never lets a real token see what
+    follows it, so every real token's score is the same). That keeps SDPA on its causal path instead of a
+    materialized ``[N, 1, L, L]`` mask -- whose first use at each new length also builds a new attention plan, ~3 s
+    once in the 0.8B GRPO benchmark -- and the GDN layers unmasked. Positions then count on through the trailing
+    padding: transformers reads a position that stops growing as the start of a packed sequence, for which it
+    builds the explicit mask after all. Batches with padding inside a completion keep the mask. One host sync."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)                       # [N, L = P+T]
+    mask = torch.cat([prompt_mask, completion_mask], dim=1)                    # [N, L]
+    p, t, length = prompt_ids.shape[1], completion_ids.shape[1], ids.shape[1]
+    cols = torch.arange(length, device=ids.device)
+    pad = (prompt_mask == 0).sum(1)                                            # [N] left padding per row
+    left = (prompt_mask[:, 1:] >= prompt_mask[:, :-1]).all() & (pad < p).all()   # a real prompt token ends each
     trailing = (completion_mask[:, 1:] <= completion_mask[:, :-1]).all()
-    return bool((prompt_mask.all() & trailing).item())
+    if p == 0 or not bool((left & trailing).item()):
+        return _Layout(ids, mask, (mask.cumsum(1) - 1).clamp_min(0), (p - 1 + cols[:t]).expand(len(ids), t))
+    roll = (cols + pad[:, None]) % length                                      # [N, L]: real tokens first
+    return _Layout(ids.gather(1, roll), None, cols.expand_as(ids), p - 1 - pad[:, None] + cols[:t])
 
 
-def _values(value_head: nn.Module | None, hidden: Tensor) -> Tensor | None:
-    """``[N, T]`` fp32 value-head outputs on ``hidden [N, T, H]``."""
+def _predictors(x: Tensor, take: Tensor) -> Tensor:
+    """``x [N, L, ...]`` at ``take [N, T]`` along the sequence: ``[N, T, ...]``."""
+    index = take.reshape(*take.shape, *(1,) * (x.dim() - 2)).expand(*take.shape, *x.shape[2:])
+    return x.gather(1, index)
+
+
+def _values(value_head: nn.Module | None, hidden: Tensor, sel: Tensor) -> Tensor | None:
+    """``[N, T]`` fp32 value-head outputs on ``hidden [N, T, H]``, 0 where ``sel`` is False (what follows a row's
+    end depends on how the batch was laid out)."""
     if value_head is None:
         return None
-    return value_head(hidden.to(value_head.weight.dtype))[..., 0].float()
+    return value_head(hidden.to(value_head.weight.dtype))[..., 0].float() * sel
 
 
-def _plain_scores(model, ids, mask, positions, p, completion_ids, sel, t, value_head) -> TokenScores:
+def _plain_scores(model, lay: _Layout, completion_ids, sel, t, value_head) -> TokenScores:
     """The whole ``[N, T, V]`` logits at once (models whose logits are more than ``lm_head(hidden)``)."""
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+    out = model(input_ids=lay.ids, attention_mask=lay.mask, position_ids=lay.positions, use_cache=False,
                 output_hidden_states=value_head is not None)
-    logits = out.logits[:, p - 1:-1].float() / t                                # [N, T, V]
+    logits = _predictors(out.logits, lay.take).float() / t                      # [N, T, V]
     logp_all = torch.log_softmax(logits, -1)
     logp = logp_all.gather(-1, completion_ids[..., None])[..., 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     m = sel.float()
-    values = _values(value_head, out.hidden_states[-1][:, p - 1:-1]) if value_head is not None else None
+    values = _values(value_head, _predictors(out.hidden_states[-1], lay.take), sel) if value_head is not None else None
     return TokenScores(logp * m, entropy * m, values)
 
 
