@@ -234,7 +234,7 @@ def test_padding_that_can_follow_the_real_tokens_runs_the_model_without_a_mask(t
     masks.clear()
     completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, holes)
     assert len(masks) == 1 and torch.equal(masks[0], torch.cat([prompt_mask, holes], 1))
-    if injected:   # (the injected layers' fp64 scores depend on the batch at ~1e-7: not checked here)
+    if injected:   # their fp32 gates (as transformers computes them) round differently with the batch on CPU
         return
     model.double()
     got = completion_logprobs(model, *batch)
