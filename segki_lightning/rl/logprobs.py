@@ -140,11 +140,13 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
 
     def chunked() -> TokenScores:
         hidden = model.base_model(input_ids=lay.ids, attention_mask=lay.mask, position_ids=lay.positions,
-                                  use_cache=False).last_hidden_state
-        hidden = _predictors(hidden, lay.take)                                  # [N, T, H]
-        logp_m, ent_m = token_logprobs(hidden[sel], model.get_output_embeddings(), completion_ids[sel], t, chunk)
+                                  use_cache=False).last_hidden_state                 # [N, L, H]
+        n, length = hidden.shape[:2]
+        rows = (torch.arange(n, device=hidden.device)[:, None] * length + lay.take)[sel]   # [M] in [N * L]
+        logp_m, ent_m = token_logprobs(hidden.flatten(0, 1)[rows], model.get_output_embeddings(), completion_ids[sel],
+                                       t, chunk)
         zeros = torch.zeros(sel.shape, dtype=logp_m.dtype, device=hidden.device)   # fp32 (fp64 for fp64 models)
-        values = _values(value_head, hidden, sel)
+        values = _values(value_head, _predictors(hidden, lay.take), sel) if value_head is not None else None
         return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
 
     return through_root(model, chunked)
