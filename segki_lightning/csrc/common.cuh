@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <string>
@@ -223,6 +224,18 @@ __device__ __forceinline__ void pdl_wait() {
 __device__ __forceinline__ void pdl_start() {
   pdl_launch_dependents();
   pdl_wait();
+}
+
+// Lets `kernel` take up to `bytes` of dynamic shared memory on the current device. The attribute belongs to the
+// kernel as loaded on one device, so it is set once per device a process launches on, not once per process.
+template <auto kernel>
+void allow_dynamic_smem(int bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: set on device d
+  const int dev = c10::cuda::current_device();
+  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit) != 0) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  done.fetch_or(bit, std::memory_order_relaxed);
 }
 
 // The warp prefetches `rows` rows of a row-major [*, ld] half matrix, columns [k0, k1), into L2.

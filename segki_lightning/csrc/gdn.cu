@@ -5,7 +5,10 @@
 //   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
 //      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
 // Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
-// rounded to the activation dtype exactly where the reference does).
+// rounded to the activation dtype exactly where the reference does). Under SEGKI_GDN_STREAM=1 the recurrence of
+// Dk = Dv = 128 heads runs as gdn_recurrent_stream_kernel where there are at least as many (row, head) items as
+// SMs: the same arithmetic with the next item's state streamed in while one item computes.
+#include "bulk.cuh"
 #include "common.cuh"
 
 #include <cooperative_groups.h>
@@ -127,6 +130,121 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   }
 }
 
+// The recurrence of gdn_recurrent_kernel for Dk = Dv = 128, one block of 512 threads per SM looping over the
+// (row, value head) items: while the block computes one item from registers and stores its state, the copy engine
+// streams the next item's state (64 KB, contiguous) into shared memory, so each SM keeps its state traffic going
+// instead of loading, computing and storing in lockstep waves of small blocks. Thread (tile, ty, jl) holds what
+// thread (ty, jl) of the per-tile kernel's block `tile` holds, and the gated RMSNorm sums the tiles' squares in
+// tile order through shared memory instead of a cluster: the same arithmetic in the same order (the same bits).
+template <typename T>
+__global__ void __launch_bounds__(512, 1) gdn_recurrent_stream_kernel(
+    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
+    RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items) {
+  constexpr int DK = 128, DV = 128, R = DK / 4, TILES = DV / 32, BYTES = DK * DV * 4;
+  extern __shared__ __align__(16) float next[];   // [DK * DV]: the state of the block's next item
+  __shared__ float sq[DK], sk[DK], red[TILES][4][32], scratch[32], sq_tile[TILES];
+  __shared__ __align__(8) uint64_t bar;
+  const int tile = threadIdx.x >> 7, ty = (threadIdx.x >> 5) & 3, jl = threadIdx.x & 31, j = tile * 32 + jl;
+  pdl_launch_dependents();
+  // before the wait only an L2 prefetch of the first item's state (safe whatever kernel wrote it last: writes
+  // land in L2, a prefetch only warms it): one 128-byte line per thread
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(state + (size_t)blockIdx.x * DK * DV + threadIdx.x * 32));
+  if (threadIdx.x == 0) {
+    mbar_init(&bar);
+    bulk_fence_init();
+  }
+  pdl_wait();  // everything below reads what earlier kernels wrote
+  __syncthreads();
+  auto request = [&](int item) {  // thread 0: the item's state into `next`, counted on `bar`
+    const float* src = state + (size_t)item * DK * DV;
+    mbar_expect(&bar, BYTES);
+    bulk_load(next, src, BYTES / 2, &bar);
+    bulk_load(next + DK * DV / 2, src + DK * DV / 2, BYTES / 2, &bar);
+  };
+  if (threadIdx.x == 0) request(blockIdx.x);
+  unsigned parity = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x, parity ^= 1u) {
+    const int b = item / hv, h = item % hv, kh = h / (hv / hk);
+    const T* row = mixed + (size_t)b * ld.mixed;
+    const T v_raw = row[2 * hk * DK + h * DV + j];
+    const T a_raw = agate[(size_t)b * ld.a + h], b_raw = bgate[(size_t)b * ld.b + h];
+    auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
+      return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
+    };
+    const float dt_b = param(dt_bias), a_lg = param(a_log);
+    const T z_raw = z[(size_t)b * ld.z + h * DV + j], nw_raw = norm_w[j];
+    float qq = 0.f, kk = 0.f;
+    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
+      const float qv = to_float<T>(row[kh * DK + i]);
+      const float kv = to_float<T>(row[hk * DK + kh * DK + i]);
+      sq[i] = qv;
+      sk[i] = kv;
+      qq += qv * qv;
+      kk += kv * kv;
+    }
+    mbar_wait(&bar, parity);
+    float s[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) s[i] = next[(ty * R + i) * DV + j];
+    // block_sum's barriers also order every thread's reads of `next` before the copy that reuses it
+    const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
+    const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
+    if (threadIdx.x == 0 && item + gridDim.x < items) {
+      bulk_fence_reuse();
+      request(item + gridDim.x);
+    }
+    const float v = to_float<T>(v_raw);
+    const float x = to_float<T>(a_raw) + dt_b;
+    const float g = -expf(a_lg) * (x > 20.f ? x : log1pf(expf(x)));
+    const float beta = round_to<T>(sigmoid(to_float<T>(b_raw)));
+    const float decay = expf(g);
+
+    float part = 0.f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      s[i] *= decay;
+      part += s[i] * (sk[ty * R + i] * k_scale);
+    }
+    red[tile][ty][jl] = part;
+    __syncthreads();
+    const float delta = (v - (red[tile][0][jl] + red[tile][1][jl] + red[tile][2][jl] + red[tile][3][jl])) * beta;
+    __syncthreads();
+    part = 0.f;
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      s[i] += sk[ty * R + i] * k_scale * delta;
+      part += s[i] * (sq[ty * R + i] * q_scale);
+    }
+    red[tile][ty][jl] = part;
+    __syncthreads();
+    const float o = round_to<T>(red[tile][0][jl] + red[tile][1][jl] + red[tile][2][jl] + red[tile][3][jl]);
+    if (ty == 0) {
+      const float w = warp_sum(o * o);
+      if (jl == 0) sq_tile[tile] = w;
+    }
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int r = 0; r < TILES; ++r) total += sq_tile[r];
+    float* st = state + ((size_t)item * DK + ty * R) * DV + j;
+#pragma unroll
+    for (int i = 0; i < R; ++i) st[(size_t)i * DV] = s[i];
+    if (ty == 0) {
+      const float n = round_to<T>(o * rsqrtf(total / DV + eps));
+      const float t = round_to<T>(to_float<T>(nw_raw) * n);
+      const float zz = to_float<T>(z_raw);
+      out[((size_t)b * hv + h) * DV + j] = from_float<T>(t * silu(zz));
+    }
+    __syncthreads();  // sq, sk, red and sq_tile are the next item's
+  }
+}
+
+// SEGKI_GDN_STREAM=1: the streamed recurrence (gdn_recurrent_stream_kernel) where it applies; unset or 0: the
+// per-tile kernel everywhere (the default until the streamed one is measured). Read at every launch (outside
+// graph replays), so one process can run both.
+inline bool stream_recurrence() { return env_is("SEGKI_GDN_STREAM", "1"); }
+
 struct GdnDims {
   int bsz, c_total, hk, dk, dv, hv;
   RowStrides ld;
@@ -178,6 +296,21 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   ld.mixed = mixed.is_contiguous() ? d.c_total : mixed.stride(0);   // gdn_decode_step: the conv's own output
   c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, items = d.bsz * d.hv;
+  if (stream_recurrence() && d.dk == 128 && d.dv == 128 && items >= sms) {
+    SEGKI_DISPATCH_HALF(dt, op, [&] {
+      constexpr int kBytes = 128 * 128 * 4;
+      allow_dynamic_smem<gdn_recurrent_stream_kernel<T>>(kBytes);
+      launch_pdl_smem(gdn_recurrent_stream_kernel<T>, dim3(sms), dim3(512), kBytes, stream, dim3(1),
+          reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
+          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
+          recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
+          static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
+          reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
+          (float)norm_eps, items);
+    });
+    return out;
+  }
   SEGKI_DISPATCH_HALF(dt, op, [&] {
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;

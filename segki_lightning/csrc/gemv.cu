@@ -19,7 +19,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
 
 namespace segki {
 namespace {
@@ -666,18 +665,6 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArg
     if (parts > 1) __syncthreads();  // `red` is read before the next chunk writes it
     item += ch.rows;
   }
-}
-
-// Lets `kernel` take up to `bytes` of dynamic shared memory on the current device. The attribute belongs to the
-// kernel as loaded on one device, so it is set once per device a process launches on, not once per process.
-template <auto kernel>
-void allow_dynamic_smem(int bytes) {
-  static std::atomic<uint64_t> done{0};  // bit d: set on device d
-  const int dev = c10::cuda::current_device();
-  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_relaxed) & bit) != 0) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  done.fetch_or(bit, std::memory_order_relaxed);
 }
 
 // Chunks per block (SEGKI_GEMV_BULK_CHUNKS, 1-8; default 1, what was measured): more chunks stage x once for all

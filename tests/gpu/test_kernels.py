@@ -337,6 +337,36 @@ def test_gdn_step_reads_column_slices_of_one_product_exactly(shape, batch, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [9, 32, 33])
+@pytest.mark.parametrize("shape", ["4b", "08b"])
+def test_streamed_gdn_recurrence_equals_the_per_tile_kernel(shape, batch, dtype, monkeypatch):
+    """SEGKI_GDN_STREAM=1 (one block per SM looping over the (row, head) items, the next state streamed in by the
+    copy engine) gives the bits of the per-tile kernel in the output and the state, on column slices of one
+    product, for item counts around the SM count (the 0.8B shape at 9 rows: 144 items) and with a ragged last
+    round; gdn_decode_step and gdn_recurrent_step alike."""
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+    widths = [g["qkv"].shape[1], hv * dv, hv, hv]
+    joint = torch.cat([g["qkv"], g["z"], g["b"], g["a"]], dim=1)
+    g.update(zip(("qkv", "z", "b", "a"), joint.split(widths, dim=1)))
+    tail = (1e-6, hk, dk, dv)
+    runs = []
+    for mode in ("1", "0"):
+        monkeypatch.setenv("SEGKI_GDN_STREAM", mode)
+        run = dict(g, conv_state=g["conv_state"].clone(), recurrent_state=g["recurrent_state"].clone())
+        poison((batch, hv * dv), (batch, widths[0]), dtype=dtype)
+        out = torch.ops.segki.gdn_decode_step(*run.values(), *tail)
+        rec = run["recurrent_state"].clone()
+        poison((batch, hv * dv), dtype=dtype)
+        alone = torch.ops.segki.gdn_recurrent_step(g["qkv"], g["z"], g["b"], g["a"], rec, g["A_log"], g["dt_bias"],
+                                                   g["norm_weight"], *tail)
+        runs.append((out, run["conv_state"], run["recurrent_state"], alone, rec))
+    for got, want in zip(*runs):
+        assert not torch.isnan(got).any() and torch.equal(got, want)
+    assert not torch.equal(runs[0][2], g["recurrent_state"])      # the state moved
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 32, 300])
 def test_silu_mul_reads_the_halves_of_one_product_exactly(rows, dtype):
     """gate and up as the two halves of one [rows, 2I] product (packed gate|up weights) give the bits of the same
