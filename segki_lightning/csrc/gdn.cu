@@ -40,55 +40,57 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __
   mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, x, width));
 }
 
-// grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
-// block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
-// tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
-// through distributed shared memory.
-template <typename T, int DK>
-__global__ void __launch_bounds__(128) gdn_recurrent_kernel(
-    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
-    RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
-    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
-  pdl_start();  // everything below reads what earlier kernels wrote
-  constexpr int R = DK / 4;
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int tiles = dv / 32;
-  const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
-  const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
+// What a (row b, value head h) item reads besides its state, for the thread's state column j: its value, z and
+// norm weight and the head's gate inputs; q and k go to shared memory (sq, sk [DK]), with the thread's partial
+// sums of their squares (the block's THREADS threads take the DK elements in turn).
+template <typename T>
+struct ItemIn {
+  T v_raw, z_raw, nw_raw, a_raw, b_raw;
+  float dt_b, a_lg, qq, kk;
+};
+
+template <typename T, int DK, int THREADS>
+__device__ __forceinline__ ItemIn<T> load_item(const T* __restrict__ mixed, const T* __restrict__ z,
+                                               const T* __restrict__ bgate, const T* __restrict__ agate,
+                                               RowStrides ld, const void* a_log, const void* dt_bias, bool gates_fp32,
+                                               const T* __restrict__ norm_w, int hk, int hv, int dv, int b, int h,
+                                               int j, float* sq, float* sk) {
   const int kh = h / (hv / hk);
-  __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
-  __shared__ float sq_part;
-  // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
-  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
-  float s[R];
-#pragma unroll
-  for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
   const T* row = mixed + (size_t)b * ld.mixed;
-  // every other read of the step requested now too: behind the block and cluster barriers below each was a
-  // round trip of its own (ptxas does not move loads across them)
-  const T v_raw = row[2 * hk * DK + h * dv + j];
-  const T a_raw = agate[(size_t)b * ld.a + h], b_raw = bgate[(size_t)b * ld.b + h];
+  ItemIn<T> in;
+  in.v_raw = row[2 * hk * DK + h * dv + j];
+  in.a_raw = agate[(size_t)b * ld.a + h];
+  in.b_raw = bgate[(size_t)b * ld.b + h];
   auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
     return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
   };
-  const float dt_b = param(dt_bias), a_lg = param(a_log);
-  const T z_raw = z[(size_t)b * ld.z + h * dv + j], nw_raw = norm_w[j];
-  float qq = 0.f, kk = 0.f;
-  for (int i = threadIdx.x; i < DK; i += 128) {
+  in.dt_b = param(dt_bias);
+  in.a_lg = param(a_log);
+  in.z_raw = z[(size_t)b * ld.z + h * dv + j];
+  in.nw_raw = norm_w[j];
+  in.qq = 0.f;
+  in.kk = 0.f;
+  for (int i = threadIdx.x; i < DK; i += THREADS) {
     const float qv = to_float<T>(row[kh * DK + i]);
     const float kv = to_float<T>(row[hk * DK + kh * DK + i]);
     sq[i] = qv;
     sk[i] = kv;
-    qq += qv * qv;
-    kk += kv * kv;
+    in.qq += qv * qv;
+    in.kk += kv * kv;
   }
-  const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
-  const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
-  const float v = to_float<T>(v_raw);
-  const float x = to_float<T>(a_raw) + dt_b;
-  const float g = -expf(a_lg) * (x > 20.f ? x : log1pf(expf(x)));
-  const float beta = round_to<T>(sigmoid(to_float<T>(b_raw)));
+  return in;
+}
+
+// The delta rule on the thread's R state entries s of one column (rows ty*R ..): gates, decay, the key's dot
+// product (the column's four row groups summed through red [4][32]), the update and the query's dot product.
+// Returns the column's output, rounded to T.
+template <typename T, int R>
+__device__ __forceinline__ float delta_rule(float (&s)[R], const ItemIn<T>& in, const float* sq, const float* sk,
+                                            float q_scale, float k_scale, float (*red)[32], int ty, int jl) {
+  const float v = to_float<T>(in.v_raw);
+  const float x = to_float<T>(in.a_raw) + in.dt_b;
+  const float g = -expf(in.a_lg) * (x > 20.f ? x : log1pf(expf(x)));
+  const float beta = round_to<T>(sigmoid(to_float<T>(in.b_raw)));
   const float decay = expf(g);
 
   float part = 0.f;
@@ -109,7 +111,48 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   }
   red[ty][jl] = part;
   __syncthreads();
-  const float o = round_to<T>(red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl]);
+  return round_to<T>(red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl]);
+}
+
+// The gated RMSNorm of output o, given the sum of squares of its head's Dv outputs: weight * norm * SiLU(z).
+template <typename T>
+__device__ __forceinline__ T gated_norm(float o, float total, int dv, float eps, const ItemIn<T>& in) {
+  const float n = round_to<T>(o * rsqrtf(total / dv + eps));
+  const float t = round_to<T>(to_float<T>(in.nw_raw) * n);
+  const float zz = to_float<T>(in.z_raw);
+  return from_float<T>(t * silu(zz));
+}
+
+// grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
+// block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
+// tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
+// through distributed shared memory.
+template <typename T, int DK>
+__global__ void __launch_bounds__(128) gdn_recurrent_kernel(
+    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
+    RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
+  pdl_start();  // everything below reads what earlier kernels wrote
+  constexpr int R = DK / 4;
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tiles = dv / 32;
+  const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
+  const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
+  __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
+  __shared__ float sq_part;
+  // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
+  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
+  float s[R];
+#pragma unroll
+  for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
+  // every other read of the step requested now too: behind the block and cluster barriers below each was a
+  // round trip of its own (ptxas does not move loads across them)
+  const ItemIn<T> in = load_item<T, DK, 128>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk,
+                                             hv, dv, b, h, j, sq, sk);
+  const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
+  const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
+  const float o = delta_rule<T, R>(s, in, sq, sk, q_scale, k_scale, red, ty, jl);
   if (ty == 0) {
     const float w = warp_sum(o * o);
     if (jl == 0) sq_part = w;
@@ -122,12 +165,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   // SASS), and stores still in flight there would hold every warp of the cluster at it
 #pragma unroll
   for (int i = 0; i < R; ++i) st[(size_t)i * dv] = s[i];
-  if (ty == 0) {
-    const float n = round_to<T>(o * rsqrtf(total / dv + eps));
-    const float t = round_to<T>(to_float<T>(nw_raw) * n);
-    const float zz = to_float<T>(z_raw);
-    out[((size_t)b * hv + h) * dv + j] = from_float<T>(t * silu(zz));
-  }
+  if (ty == 0) out[((size_t)b * hv + h) * dv + j] = gated_norm<T>(o, total, dv, eps, in);
 }
 
 // The recurrence of gdn_recurrent_kernel for Dk = Dv = 128, one block of 512 threads per SM looping over the
@@ -165,60 +203,21 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_stream_kernel(
   if (threadIdx.x == 0) request(blockIdx.x);
   unsigned parity = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x, parity ^= 1u) {
-    const int b = item / hv, h = item % hv, kh = h / (hv / hk);
-    const T* row = mixed + (size_t)b * ld.mixed;
-    const T v_raw = row[2 * hk * DK + h * DV + j];
-    const T a_raw = agate[(size_t)b * ld.a + h], b_raw = bgate[(size_t)b * ld.b + h];
-    auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
-      return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
-    };
-    const float dt_b = param(dt_bias), a_lg = param(a_log);
-    const T z_raw = z[(size_t)b * ld.z + h * DV + j], nw_raw = norm_w[j];
-    float qq = 0.f, kk = 0.f;
-    for (int i = threadIdx.x; i < DK; i += blockDim.x) {
-      const float qv = to_float<T>(row[kh * DK + i]);
-      const float kv = to_float<T>(row[hk * DK + kh * DK + i]);
-      sq[i] = qv;
-      sk[i] = kv;
-      qq += qv * qv;
-      kk += kv * kv;
-    }
+    const int b = item / hv, h = item % hv;
+    const ItemIn<T> in = load_item<T, DK, 512>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk,
+                                               hv, DV, b, h, j, sq, sk);
     mbar_wait(&bar, parity);
     float s[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) s[i] = next[(ty * R + i) * DV + j];
     // block_sum's barriers also order every thread's reads of `next` before the copy that reuses it
-    const float q_scale = rsqrtf(block_sum(qq, scratch) + 1e-6f) * rsqrtf((float)DK);
-    const float k_scale = rsqrtf(block_sum(kk, scratch) + 1e-6f);
+    const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
+    const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
     if (threadIdx.x == 0 && item + gridDim.x < items) {
       bulk_fence_reuse();
       request(item + gridDim.x);
     }
-    const float v = to_float<T>(v_raw);
-    const float x = to_float<T>(a_raw) + dt_b;
-    const float g = -expf(a_lg) * (x > 20.f ? x : log1pf(expf(x)));
-    const float beta = round_to<T>(sigmoid(to_float<T>(b_raw)));
-    const float decay = expf(g);
-
-    float part = 0.f;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      s[i] *= decay;
-      part += s[i] * (sk[ty * R + i] * k_scale);
-    }
-    red[tile][ty][jl] = part;
-    __syncthreads();
-    const float delta = (v - (red[tile][0][jl] + red[tile][1][jl] + red[tile][2][jl] + red[tile][3][jl])) * beta;
-    __syncthreads();
-    part = 0.f;
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      s[i] += sk[ty * R + i] * k_scale * delta;
-      part += s[i] * (sq[ty * R + i] * q_scale);
-    }
-    red[tile][ty][jl] = part;
-    __syncthreads();
-    const float o = round_to<T>(red[tile][0][jl] + red[tile][1][jl] + red[tile][2][jl] + red[tile][3][jl]);
+    const float o = delta_rule<T, R>(s, in, sq, sk, q_scale, k_scale, red[tile], ty, jl);
     if (ty == 0) {
       const float w = warp_sum(o * o);
       if (jl == 0) sq_tile[tile] = w;
@@ -230,12 +229,7 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_stream_kernel(
     float* st = state + ((size_t)item * DK + ty * R) * DV + j;
 #pragma unroll
     for (int i = 0; i < R; ++i) st[(size_t)i * DV] = s[i];
-    if (ty == 0) {
-      const float n = round_to<T>(o * rsqrtf(total / DV + eps));
-      const float t = round_to<T>(to_float<T>(nw_raw) * n);
-      const float zz = to_float<T>(z_raw);
-      out[((size_t)b * hv + h) * DV + j] = from_float<T>(t * silu(zz));
-    }
+    if (ty == 0) out[((size_t)b * hv + h) * DV + j] = gated_norm<T>(o, total, DV, eps, in);
     __syncthreads();  // sq, sk, red and sq_tile are the next item's
   }
 }
