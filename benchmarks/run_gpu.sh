@@ -20,9 +20,10 @@
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
 #           native rows (default) and one per weight (SEGKI_JOINT=0) (joint/{packed,separate}/decode.json/md);
 #           benchmarks/kernels.py's projections at those rows, with the packed rows (joint/kernels/)
-#   gdnstream the streamed GDN recurrence (SEGKI_GDN_STREAM=1) against the per-tile kernel: its bit-equality tests,
-#           ncu_shapes.py's GDN step under Nsight Compute both ways (gdnstream/ncu_{1,0}.md), decode at 8, 16
-#           and 32 rows both ways (gdnstream/{1,0}/decode.json/md)
+#   gdnstream the streamed GDN recurrence (SEGKI_GDN_STREAM=1 / 2: one / two blocks per SM) against the per-tile
+#           kernel (0): its bit-equality tests, ncu_shapes.py's GDN step under Nsight Compute, with warp stall
+#           reasons, each way (gdnstream/ncu_{1,2,0}.csv/md), decode at 8, 16 and 32 rows each way
+#           (gdnstream/{1,2,0}/decode.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -91,9 +92,13 @@ for stage in "${stages[@]}"; do
     gdnstream) mkdir -p "$out/gdnstream"
              python3 -m pytest -q tests/gpu -k "streamed or gdn" -p no:cacheprovider > "$out/gdnstream/tests.log" 2>&1
              tail -1 "$out/gdnstream/tests.log"
-             for on in 1 0; do
+             stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' barrier long_scoreboard \
+               membar short_scoreboard wait lg_throttle mio_throttle drain math_pipe_throttle not_selected selected \
+               no_instruction dispatch_stall)
+             for on in 1 2 0; do
                SEGKI_GDN_STREAM=$on ncu --clock-control none --kernel-name regex:'spin|gdn_recurrent' \
-                 --section SpeedOfLight --section LaunchStats --csv --page details \
+                 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+                 --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details \
                  python3 benchmarks/ncu_shapes.py --cases 4b:16 0.8b:32 > "$out/gdnstream/ncu_$on.csv" 2>/dev/null
                python3 benchmarks/ncu_shapes.py --table "$out/gdnstream/ncu_$on.csv" --cases 4b:16 0.8b:32 \
                  > "$out/gdnstream/ncu_$on.md"

@@ -339,11 +339,12 @@ def test_gdn_step_reads_column_slices_of_one_product_exactly(shape, batch, dtype
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [9, 32, 33])
 @pytest.mark.parametrize("shape", ["4b", "08b"])
-def test_streamed_gdn_recurrence_equals_the_per_tile_kernel(shape, batch, dtype, monkeypatch):
-    """SEGKI_GDN_STREAM=1 (one block per SM looping over the (row, head) items, the next state streamed in by the
-    copy engine) gives the bits of the per-tile kernel in the output and the state, on column slices of one
-    product, for item counts around the SM count (the 0.8B shape at 9 rows: 144 items) and with a ragged last
-    round; gdn_decode_step and gdn_recurrent_step alike."""
+@pytest.mark.parametrize("mode", ["1", "2"])
+def test_streamed_gdn_recurrence_equals_the_per_tile_kernel(mode, shape, batch, dtype, monkeypatch):
+    """SEGKI_GDN_STREAM=1 / 2 (one block of 512 / two of 256 threads per SM looping over the (row, head) items, the
+    next state streamed in by the copy engine) gives the bits of the per-tile kernel in the output and the state,
+    on column slices of one product, for item counts around the SM count (the 0.8B shape at 9 rows: 144 items)
+    and with a ragged last round; gdn_decode_step and gdn_recurrent_step alike."""
     hk, hv, dk, dv = GDN_SHAPES[shape]
     g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
     widths = [g["qkv"].shape[1], hv * dv, hv, hv]
@@ -351,8 +352,8 @@ def test_streamed_gdn_recurrence_equals_the_per_tile_kernel(shape, batch, dtype,
     g.update(zip(("qkv", "z", "b", "a"), joint.split(widths, dim=1)))
     tail = (1e-6, hk, dk, dv)
     runs = []
-    for mode in ("1", "0"):
-        monkeypatch.setenv("SEGKI_GDN_STREAM", mode)
+    for setting in (mode, "0"):
+        monkeypatch.setenv("SEGKI_GDN_STREAM", setting)
         run = dict(g, conv_state=g["conv_state"].clone(), recurrent_state=g["recurrent_state"].clone())
         poison((batch, hv * dv), (batch, widths[0]), dtype=dtype)
         out = torch.ops.segki.gdn_decode_step(*run.values(), *tail)
