@@ -59,11 +59,39 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
 #endif
 }
 
-// Orders this thread's earlier reads of shared memory (after a __syncthreads(), the block's) before a copy the
-// engine will write into the same bytes.
+// Orders this thread's earlier accesses of shared memory (after a __syncthreads(), the block's) before the copy
+// engine's: a copy that writes the same bytes, or one that reads what the thread wrote.
 __device__ __forceinline__ void bulk_fence_reuse() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from shared `src` to global `dst` by the copy
+// engine, in this thread's current bulk group. The block's writes of `src` must be made visible to the copy
+// engine first: each writer's bulk_fence_reuse(), then a barrier.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Closes this thread's current bulk group of stores.
+__device__ __forceinline__ void bulk_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+// Blocks until this thread's committed bulk groups have finished reading their shared memory (it may be
+// overwritten), or with `writes` until their global writes are done too (needed before the block exits).
+template <bool writes>
+__device__ __forceinline__ void bulk_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (writes) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  else asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #endif
 }
 

@@ -5,9 +5,10 @@
 //   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
 //      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
 // Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
-// rounded to the activation dtype exactly where the reference does). Under SEGKI_GDN_STREAM=1 the recurrence of
-// Dk = Dv = 128 heads runs as gdn_recurrent_stream_kernel where there are at least as many (row, head) items as
-// SMs: the same arithmetic with the next item's state streamed in while one item computes.
+// rounded to the activation dtype exactly where the reference does). Under SEGKI_GDN_STREAM=1 / 2 the recurrence
+// of Dk = Dv = 128 heads runs as blocks that stay resident and loop over the (row, head) items where there are at
+// least as many as SMs (gdn_recurrent_pipe_kernel / gdn_recurrent_stream_kernel): the same arithmetic with the
+// next item's state streamed in while one item computes.
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -41,23 +42,25 @@ __global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __
 }
 
 // What a (row b, value head h) item reads besides its state, for the thread's state column j: its value, z and
-// norm weight and the head's gate inputs; q and k go to shared memory (sq, sk [DK]), with the thread's partial
-// sums of their squares (the block's THREADS threads take the DK elements in turn).
-template <typename T>
+// norm weight and the head's gate inputs, and the thread's share of q and k (the block's THREADS threads take the
+// DK elements in turn), which stash_qk() puts in shared memory. Loading and stashing apart lets a block have the
+// next item's loads in flight while it finishes the current one.
+template <typename T, int DK, int THREADS>
 struct ItemIn {
+  static constexpr int N = (DK + THREADS - 1) / THREADS;
   T v_raw, z_raw, nw_raw, a_raw, b_raw;
   float dt_b, a_lg, qq, kk;
+  T q_raw[N], k_raw[N];
 };
 
 template <typename T, int DK, int THREADS>
-__device__ __forceinline__ ItemIn<T> load_item(const T* __restrict__ mixed, const T* __restrict__ z,
-                                               const T* __restrict__ bgate, const T* __restrict__ agate,
-                                               RowStrides ld, const void* a_log, const void* dt_bias, bool gates_fp32,
-                                               const T* __restrict__ norm_w, int hk, int hv, int dv, int b, int h,
-                                               int j, float* sq, float* sk) {
+__device__ __forceinline__ ItemIn<T, DK, THREADS> load_item(
+    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
+    RowStrides ld, const void* a_log, const void* dt_bias, bool gates_fp32, const T* __restrict__ norm_w, int hk,
+    int hv, int dv, int b, int h, int j) {
   const int kh = h / (hv / hk);
   const T* row = mixed + (size_t)b * ld.mixed;
-  ItemIn<T> in;
+  ItemIn<T, DK, THREADS> in;
   in.v_raw = row[2 * hk * DK + h * dv + j];
   in.a_raw = agate[(size_t)b * ld.a + h];
   in.b_raw = bgate[(size_t)b * ld.b + h];
@@ -68,25 +71,41 @@ __device__ __forceinline__ ItemIn<T> load_item(const T* __restrict__ mixed, cons
   in.a_lg = param(a_log);
   in.z_raw = z[(size_t)b * ld.z + h * dv + j];
   in.nw_raw = norm_w[j];
-  in.qq = 0.f;
-  in.kk = 0.f;
-  for (int i = threadIdx.x; i < DK; i += THREADS) {
-    const float qv = to_float<T>(row[kh * DK + i]);
-    const float kv = to_float<T>(row[hk * DK + kh * DK + i]);
-    sq[i] = qv;
-    sk[i] = kv;
-    in.qq += qv * qv;
-    in.kk += kv * kv;
+#pragma unroll
+  for (int n = 0; n < in.N; ++n) {
+    const int i = threadIdx.x + n * THREADS;
+    if (i < DK) {
+      in.q_raw[n] = row[kh * DK + i];
+      in.k_raw[n] = row[hk * DK + kh * DK + i];
+    }
   }
   return in;
+}
+
+// q and k into shared memory (sq, sk [DK]), with the thread's partial sums of their squares.
+template <typename T, int DK, int THREADS>
+__device__ __forceinline__ void stash_qk(ItemIn<T, DK, THREADS>& in, float* sq, float* sk) {
+  in.qq = 0.f;
+  in.kk = 0.f;
+#pragma unroll
+  for (int n = 0; n < in.N; ++n) {
+    const int i = threadIdx.x + n * THREADS;
+    if (i < DK) {
+      const float qv = to_float<T>(in.q_raw[n]), kv = to_float<T>(in.k_raw[n]);
+      sq[i] = qv;
+      sk[i] = kv;
+      in.qq += qv * qv;
+      in.kk += kv * kv;
+    }
+  }
 }
 
 // The delta rule on the thread's R state entries s of one column (rows ty*R ..): gates, decay, the key's dot
 // product (the column's four row groups summed through red [4][32]), the update and the query's dot product.
 // A thread holding P of the four row groups (R = P * DK/4 rows) keeps one partial sum per group, so the sums
 // round as when each group has a thread of its own. Returns the column's output, rounded to T.
-template <typename T, int R, int P = 1>
-__device__ __forceinline__ float delta_rule(float (&s)[R], const ItemIn<T>& in, const float* sq, const float* sk,
+template <typename T, int R, int P = 1, typename In>
+__device__ __forceinline__ float delta_rule(float (&s)[R], const In& in, const float* sq, const float* sk,
                                             float q_scale, float k_scale, float (*red)[32], int ty, int jl) {
   constexpr int G = R / P;   // rows per group
   const float v = to_float<T>(in.v_raw);
@@ -120,8 +139,8 @@ __device__ __forceinline__ float delta_rule(float (&s)[R], const ItemIn<T>& in, 
 }
 
 // The gated RMSNorm of output o, given the sum of squares of its head's Dv outputs: weight * norm * SiLU(z).
-template <typename T>
-__device__ __forceinline__ T gated_norm(float o, float total, int dv, float eps, const ItemIn<T>& in) {
+template <typename T, typename In>
+__device__ __forceinline__ T gated_norm(float o, float total, int dv, float eps, const In& in) {
   const float n = round_to<T>(o * rsqrtf(total / dv + eps));
   const float t = round_to<T>(to_float<T>(in.nw_raw) * n);
   const float zz = to_float<T>(in.z_raw);
@@ -153,8 +172,9 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
   // every other read of the step requested now too: behind the block and cluster barriers below each was a
   // round trip of its own (ptxas does not move loads across them)
-  const ItemIn<T> in = load_item<T, DK, 128>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk,
-                                             hv, dv, b, h, j, sq, sk);
+  auto in = load_item<T, DK, 128>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, dv, b,
+                                  h, j);
+  stash_qk(in, sq, sk);
   const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
   const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
   const float o = delta_rule<T, R>(s, in, sq, sk, q_scale, k_scale, red, ty, jl);
@@ -214,8 +234,9 @@ __global__ void __launch_bounds__(THREADS, 512 / THREADS) gdn_recurrent_stream_k
   unsigned parity = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x, parity ^= 1u) {
     const int b = item / hv, h = item % hv;
-    const ItemIn<T> in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w,
-                                                   hk, hv, DV, b, h, j, sq, sk);
+    auto in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
+                                        b, h, j);
+    stash_qk(in, sq, sk);
     mbar_wait(&bar, parity);
     float s[R];
 #pragma unroll
@@ -244,9 +265,90 @@ __global__ void __launch_bounds__(THREADS, 512 / THREADS) gdn_recurrent_stream_k
   }
 }
 
-// SEGKI_GDN_STREAM=1 / 2: the streamed recurrence (gdn_recurrent_stream_kernel) where it applies, with one block
-// of 512 / two of 256 threads per SM; unset or 0: the per-tile kernel everywhere (the default until the streamed
-// one is measured). Read at every launch (outside graph replays), so one process can run all three.
+// gdn_recurrent_stream_kernel's work for one block of 512 threads per SM with its memory traffic off the warps:
+// two 64 KB state slots, item k in slot k % 2. The block reads item k's state from its slot, writes the new state
+// back into it and has the copy engine store it (no store instruction per element, so no warp waits on a full
+// store queue), while item k+1's state streams into the other slot and item k+1's other inputs are loaded before
+// item k's state is stored. Same arithmetic in the same order as the per-tile kernel (the same bits).
+template <typename T>
+__global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
+    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
+    RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items) {
+  constexpr int DK = 128, DV = 128, THREADS = 512, TILES = DV / 32, R = DK / 4, SLOT = DK * DV, BYTES = SLOT * 4;
+  extern __shared__ __align__(16) float slots[];   // [2][DK * DV]
+  __shared__ float sq[DK], sk[DK], red[TILES][4][32], scratch[32], sq_tile[TILES];
+  __shared__ __align__(8) uint64_t bar[2];
+  const int tile = threadIdx.x >> 7, ty = (threadIdx.x >> 5) & 3, jl = threadIdx.x & 31, j = tile * 32 + jl;
+  pdl_launch_dependents();
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(state + (size_t)blockIdx.x * SLOT + threadIdx.x * 32));
+  if (threadIdx.x == 0) {
+    mbar_init(&bar[0]);
+    mbar_init(&bar[1]);
+    bulk_fence_init();
+  }
+  pdl_wait();  // everything below reads what earlier kernels wrote
+  __syncthreads();
+  auto request = [&](int item, int slot) {  // thread 0: the item's state into the slot
+    const float* src = state + (size_t)item * SLOT;
+    mbar_expect(&bar[slot], BYTES);
+    bulk_load(slots + slot * SLOT, src, BYTES / 2, &bar[slot]);
+    bulk_load(slots + slot * SLOT + SLOT / 2, src + SLOT / 2, BYTES / 2, &bar[slot]);
+  };
+  if (threadIdx.x == 0) request(blockIdx.x, 0);
+  auto in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
+                                      blockIdx.x / hv, blockIdx.x % hv, j);
+  stash_qk(in, sq, sk);
+  int k = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x, ++k) {
+    const int b = item / hv, h = item % hv, slot = k & 1, next = item + gridDim.x;
+    float* cur = slots + slot * SLOT + (ty * R) * DV + j;
+    mbar_wait(&bar[slot], (k >> 1) & 1);
+    float s[R];
+#pragma unroll
+    for (int i = 0; i < R; ++i) s[i] = cur[i * DV];
+    const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
+    const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
+    if (threadIdx.x == 0 && next < items) {  // the other slot: its last store (item k-1's state) read out first
+      bulk_wait<false>();
+      bulk_fence_reuse();
+      request(next, slot ^ 1);
+    }
+    const float o = delta_rule<T, R>(s, in, sq, sk, q_scale, k_scale, red[tile], ty, jl);
+    // the next item's inputs requested now: their round trip overlaps this item's store and norm
+    auto nxt = in;
+    if (next < items)
+      nxt = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
+                                      next / hv, next % hv, j);
+#pragma unroll
+    for (int i = 0; i < R; ++i) cur[i * DV] = s[i];
+    bulk_fence_reuse();  // this thread's writes of the slot, before the copy engine reads them
+    if (ty == 0) {
+      const float w = warp_sum(o * o);
+      if (jl == 0) sq_tile[tile] = w;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float* dst = state + (size_t)item * SLOT;
+      bulk_store(dst, slots + slot * SLOT, BYTES / 2);
+      bulk_store(dst + SLOT / 2, slots + slot * SLOT + SLOT / 2, BYTES / 2);
+      bulk_commit();
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int r = 0; r < TILES; ++r) total += sq_tile[r];
+    if (ty == 0) out[((size_t)b * hv + h) * DV + j] = gated_norm<T>(o, total, DV, eps, in);
+    if (next < items) stash_qk(nxt, sq, sk);   // every read of sq and sk for this item was before delta_rule's end
+    in = nxt;
+    __syncthreads();  // red, sq_tile and scratch are the next item's; sq and sk hold its q and k
+  }
+  if (threadIdx.x == 0) bulk_wait<true>();   // the last states written before the block's shared memory goes
+}
+
+// SEGKI_GDN_STREAM=1: the recurrence of 128x128 heads as gdn_recurrent_pipe_kernel where there are at least as
+// many (row, head) items as SMs; 2: as gdn_recurrent_stream_kernel with two blocks of 256 threads per SM; unset or
+// 0: the per-tile kernel everywhere (the default until the streamed ones are measured). Read at every launch
+// (outside graph replays), so one process can run all three.
 inline int stream_recurrence() {
   return env_is("SEGKI_GDN_STREAM", "1") ? 1 : env_is("SEGKI_GDN_STREAM", "2") ? 2 : 0;
 }
@@ -319,8 +421,18 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
             reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
             (float)norm_eps, items);
       };
-      if (per_sm == 1) launch(std::integral_constant<int, 512>{});
-      else launch(std::integral_constant<int, 256>{});
+      if (per_sm == 1) {
+        allow_dynamic_smem<gdn_recurrent_pipe_kernel<T>>(2 * kBytes);
+        launch_pdl_smem(gdn_recurrent_pipe_kernel<T>, dim3(std::min(sms, items)), dim3(512), 2 * kBytes, stream,
+            dim3(1), reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
+            reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
+            recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
+            static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
+            reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
+            (float)norm_eps, items);
+      } else {
+        launch(std::integral_constant<int, 256>{});
+      }
     });
     return out;
   }
