@@ -20,10 +20,8 @@
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
 #           native rows (default) and one per weight (SEGKI_JOINT=0) (joint/{packed,separate}/decode.json/md);
 #           benchmarks/kernels.py's projections at those rows, with the packed rows (joint/kernels/)
-#   gdnstream the streamed GDN recurrence (SEGKI_GDN_STREAM=1 / 2: one / two blocks per SM) against the per-tile
-#           kernel (0): its bit-equality tests, ncu_shapes.py's GDN step under Nsight Compute, with warp stall
-#           reasons, each way (gdnstream/ncu_{1,2,0}.csv/md), decode at 8, 16 and 32 rows each way
-#           (gdnstream/{1,2,0}/decode.json/md)
+#   gdn     the GDN step: its GPU tests, ncu_shapes.py's GDN step under Nsight Compute with warp stall reasons
+#           (gdn/ncu.csv/md) and decode at 8, 16 and 32 rows (gdn/decode.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -89,24 +87,21 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/kernels.py --out "$out/joint/kernels" --batches 8 16 32 --only proj \
                > "$out/joint_kernels.log" 2>&1 || tail -5 "$out/joint_kernels.log"
              grep -E "packed" "$out/joint/kernels/kernels.md" | cut -d'|' -f2-10 ;;
-    gdnstream) mkdir -p "$out/gdnstream"
-             python3 -m pytest -q tests/gpu -k "streamed or gdn" -p no:cacheprovider > "$out/gdnstream/tests.log" 2>&1
-             tail -1 "$out/gdnstream/tests.log"
+    gdn)     mkdir -p "$out/gdn"
+             python3 -m pytest -q tests/gpu -k gdn -p no:cacheprovider > "$out/gdn/tests.log" 2>&1
+             tail -1 "$out/gdn/tests.log"
              stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' barrier long_scoreboard \
                membar short_scoreboard wait lg_throttle mio_throttle drain math_pipe_throttle not_selected selected \
                no_instruction dispatch_stall)
-             for on in 1 2 0; do
-               SEGKI_GDN_STREAM=$on ncu --clock-control none --kernel-name regex:'spin|gdn_recurrent' \
-                 --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
-                 --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details \
-                 python3 benchmarks/ncu_shapes.py --cases 4b:16 0.8b:32 > "$out/gdnstream/ncu_$on.csv" 2>/dev/null
-               python3 benchmarks/ncu_shapes.py --table "$out/gdnstream/ncu_$on.csv" --cases 4b:16 0.8b:32 \
-                 > "$out/gdnstream/ncu_$on.md"
-               grep gdn_recurrent "$out/gdnstream/ncu_$on.md" | cut -d'|' -f2-6
-               SEGKI_GDN_STREAM=$on python3 benchmarks/decode.py --out "$out/gdnstream/$on" --batches 8 16 32 \
-                 --hf-eager-batches --hf-compile-batches --no-graph-only > "$out/gdnstream/decode_$on.log" 2>&1
-               echo "-- SEGKI_GDN_STREAM=$on"; grep -E "ours" "$out/gdnstream/$on/decode.md" | cut -d'|' -f2,4,5,6,7
-             done ;;
+             ncu --clock-control none --kernel-name regex:'spin|gdn_recurrent' --section SpeedOfLight \
+               --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+               --metrics "${stalls%,}" --csv --page details \
+               python3 benchmarks/ncu_shapes.py --cases 4b:16 0.8b:32 > "$out/gdn/ncu.csv" 2>/dev/null
+             python3 benchmarks/ncu_shapes.py --table "$out/gdn/ncu.csv" --cases 4b:16 0.8b:32 > "$out/gdn/ncu.md"
+             grep gdn_recurrent "$out/gdn/ncu.md" | cut -d'|' -f2-6
+             python3 benchmarks/decode.py --out "$out/gdn" --batches 8 16 32 --hf-eager-batches --hf-compile-batches \
+               --no-graph-only > "$out/gdn/decode.log" 2>&1
+             grep -E "ours" "$out/gdn/decode.md" | cut -d'|' -f2,4,5,6,7 ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;

@@ -99,7 +99,7 @@ def test_kernel_switches_accept_their_values_and_name_what_to_change():
 
     check_switches({})
     check_switches({"SEGKI_PDL": "0", "SEGKI_ATTN": "batched", "SEGKI_GEMV_PIPE": "1", "SEGKI_GEMV_BULK": "0",
-                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_GDN_STREAM": "1",
+                    "SEGKI_GEMV_PREFETCH": "-1", "SEGKI_GEMV_MAX_ROWS": "32", "SEGKI_JOINT": "0",
                     "SEGKI_CACHE": "/x", "PATH": "/bin"})
     with pytest.raises(ValueError, match=r"SEGKI_GEMV_BLK is not a segki switch .*SEGKI_GEMV_BULK.*unset it"):
         check_switches({"SEGKI_GEMV_BLK": "1"})

@@ -5,10 +5,9 @@
 //   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
 //      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
 // Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
-// rounded to the activation dtype exactly where the reference does). Under SEGKI_GDN_STREAM=1 / 2 the recurrence
-// of Dk = Dv = 128 heads runs as blocks that stay resident and loop over the (row, head) items where there are at
-// least as many as SMs (gdn_recurrent_pipe_kernel / gdn_recurrent_stream_kernel): the same arithmetic with the
-// next item's state streamed in while one item computes.
+// rounded to the activation dtype exactly where the reference does). The recurrence of Dk = Dv = 128 heads runs
+// as resident blocks looping over the (row, head) items where there are at least as many as SMs
+// (gdn_recurrent_pipe_kernel): the same arithmetic with the states streamed in and out by the copy engine.
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -102,38 +101,33 @@ __device__ __forceinline__ void stash_qk(ItemIn<T, DK, THREADS>& in, float* sq, 
 
 // The delta rule on the thread's R state entries s of one column (rows ty*R ..): gates, decay, the key's dot
 // product (the column's four row groups summed through red [4][32]), the update and the query's dot product.
-// A thread holding P of the four row groups (R = P * DK/4 rows) keeps one partial sum per group, so the sums
-// round as when each group has a thread of its own. Returns the column's output, rounded to T.
-template <typename T, int R, int P = 1, typename In>
+// Returns the column's output, rounded to T.
+template <typename T, int R, typename In>
 __device__ __forceinline__ float delta_rule(float (&s)[R], const In& in, const float* sq, const float* sk,
                                             float q_scale, float k_scale, float (*red)[32], int ty, int jl) {
-  constexpr int G = R / P;   // rows per group
   const float v = to_float<T>(in.v_raw);
   const float x = to_float<T>(in.a_raw) + in.dt_b;
   const float g = -expf(in.a_lg) * (x > 20.f ? x : log1pf(expf(x)));
   const float beta = round_to<T>(sigmoid(to_float<T>(in.b_raw)));
   const float decay = expf(g);
 
-  float part[P] = {};
+  float part = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     s[i] *= decay;
-    part[i / G] += s[i] * (sk[ty * R + i] * k_scale);
+    part += s[i] * (sk[ty * R + i] * k_scale);
   }
-#pragma unroll
-  for (int p = 0; p < P; ++p) red[ty * P + p][jl] = part[p];
+  red[ty][jl] = part;
   __syncthreads();
   const float delta = (v - (red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl])) * beta;
   __syncthreads();
-#pragma unroll
-  for (int p = 0; p < P; ++p) part[p] = 0.f;
+  part = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     s[i] += sk[ty * R + i] * k_scale * delta;
-    part[i / G] += s[i] * (sq[ty * R + i] * q_scale);
+    part += s[i] * (sq[ty * R + i] * q_scale);
   }
-#pragma unroll
-  for (int p = 0; p < P; ++p) red[ty * P + p][jl] = part[p];
+  red[ty][jl] = part;
   __syncthreads();
   return round_to<T>(red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl]);
 }
@@ -193,83 +187,16 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   if (ty == 0) out[((size_t)b * hv + h) * dv + j] = gated_norm<T>(o, total, dv, eps, in);
 }
 
-// The recurrence of gdn_recurrent_kernel for Dk = Dv = 128 as blocks that stay resident and loop over the
-// (row, value head) items: while a block computes one item from registers and stores its state, the copy engine
-// streams its next item's state (64 KB, contiguous) into shared memory, so each SM keeps its state traffic going
-// instead of loading, computing and storing in lockstep waves of small blocks. THREADS = 512: one block per SM,
-// thread (tile, ty, jl) holding what thread (ty, jl) of the per-tile kernel's block `tile` holds; 256: two blocks
-// per SM (one computes while the other waits on memory), each thread holding two of those row groups. The gated
-// RMSNorm sums the tiles' squares in tile order through shared memory instead of a cluster: the same arithmetic
-// in the same order (the same bits).
-template <typename T, int THREADS>
-__global__ void __launch_bounds__(THREADS, 512 / THREADS) gdn_recurrent_stream_kernel(
-    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
-    RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
-    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items) {
-  constexpr int DK = 128, DV = 128, TILES = DV / 32, GROUPS = THREADS / DV, P = 4 / GROUPS, R = DK / GROUPS;
-  constexpr int BYTES = DK * DV * 4;
-  extern __shared__ __align__(16) float next[];   // [DK * DV]: the state of the block's next item
-  __shared__ float sq[DK], sk[DK], red[TILES][4][32], scratch[32], sq_tile[TILES];
-  __shared__ __align__(8) uint64_t bar;
-  const int warp = threadIdx.x >> 5, tile = warp / GROUPS, ty = warp % GROUPS, jl = threadIdx.x & 31;
-  const int j = tile * 32 + jl;
-  pdl_launch_dependents();
-  // before the wait only an L2 prefetch of the first item's state (safe whatever kernel wrote it last: writes
-  // land in L2, a prefetch only warms it): 128-byte lines
-  for (int e = threadIdx.x * 32; e < DK * DV; e += THREADS * 32)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(state + (size_t)blockIdx.x * DK * DV + e));
-  if (threadIdx.x == 0) {
-    mbar_init(&bar);
-    bulk_fence_init();
-  }
-  pdl_wait();  // everything below reads what earlier kernels wrote
-  __syncthreads();
-  auto request = [&](int item) {  // thread 0: the item's state into `next`, counted on `bar`
-    const float* src = state + (size_t)item * DK * DV;
-    mbar_expect(&bar, BYTES);
-    bulk_load(next, src, BYTES / 2, &bar);
-    bulk_load(next + DK * DV / 2, src + DK * DV / 2, BYTES / 2, &bar);
-  };
-  if (threadIdx.x == 0) request(blockIdx.x);
-  unsigned parity = 0;
-  for (int item = blockIdx.x; item < items; item += gridDim.x, parity ^= 1u) {
-    const int b = item / hv, h = item % hv;
-    auto in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
-                                        b, h, j);
-    stash_qk(in, sq, sk);
-    mbar_wait(&bar, parity);
-    float s[R];
-#pragma unroll
-    for (int i = 0; i < R; ++i) s[i] = next[(ty * R + i) * DV + j];
-    // block_sum's barriers also order every thread's reads of `next` before the copy that reuses it
-    const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
-    const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
-    if (threadIdx.x == 0 && item + gridDim.x < items) {
-      bulk_fence_reuse();
-      request(item + gridDim.x);
-    }
-    const float o = delta_rule<T, R, P>(s, in, sq, sk, q_scale, k_scale, red[tile], ty, jl);
-    if (ty == 0) {
-      const float w = warp_sum(o * o);
-      if (jl == 0) sq_tile[tile] = w;
-    }
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int r = 0; r < TILES; ++r) total += sq_tile[r];
-    float* st = state + ((size_t)item * DK + ty * R) * DV + j;
-#pragma unroll
-    for (int i = 0; i < R; ++i) st[(size_t)i * DV] = s[i];
-    if (ty == 0) out[((size_t)b * hv + h) * DV + j] = gated_norm<T>(o, total, DV, eps, in);
-    __syncthreads();  // sq, sk, red and sq_tile are the next item's
-  }
-}
-
-// gdn_recurrent_stream_kernel's work for one block of 512 threads per SM with its memory traffic off the warps:
-// two 64 KB state slots, item k in slot k % 2. The block reads item k's state from its slot, writes the new state
-// back into it and has the copy engine store it (no store instruction per element, so no warp waits on a full
-// store queue), while item k+1's state streams into the other slot and item k+1's other inputs are loaded before
-// item k's state is stored. Same arithmetic in the same order as the per-tile kernel (the same bits).
+// The recurrence of gdn_recurrent_kernel for Dk = Dv = 128 where there are at least as many (row, value head) items
+// as SMs: one block of 512 threads per SM that stays resident and loops over the items, its memory traffic off the
+// warps. Two 64 KB state slots, item k in slot k % 2: the block reads item k's state from its slot, writes the new
+// state back into it and has the copy engine store it (no store instruction per element, so no warp waits on a
+// full store queue), while item k+1's state streams into the other slot and item k+1's other inputs are loaded
+// before item k's state is stored -- instead of loading, computing and storing in lockstep waves of small blocks.
+// Thread (tile, ty, jl) holds what thread (ty, jl) of the per-tile kernel's block `tile` holds, and the gated
+// RMSNorm sums the tiles' squares in tile order through shared memory instead of a cluster: the same arithmetic in
+// the same order (the same bits). Measured (`results/gdn_stream/`): decode at 32 rows 1.775 -> 1.657 ms (0.8B),
+// 4.71 -> 4.446 ms (4B).
 template <typename T>
 __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
@@ -281,6 +208,8 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
   __shared__ __align__(8) uint64_t bar[2];
   const int tile = threadIdx.x >> 7, ty = (threadIdx.x >> 5) & 3, jl = threadIdx.x & 31, j = tile * 32 + jl;
   pdl_launch_dependents();
+  // before the wait only an L2 prefetch of the first item's state (safe whatever kernel wrote it last: writes
+  // land in L2, a prefetch only warms it): one 128-byte line per thread
   asm volatile("prefetch.global.L2 [%0];" ::"l"(state + (size_t)blockIdx.x * SLOT + threadIdx.x * 32));
   if (threadIdx.x == 0) {
     mbar_init(&bar[0]);
@@ -345,14 +274,6 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
   if (threadIdx.x == 0) bulk_wait<true>();   // the last states written before the block's shared memory goes
 }
 
-// SEGKI_GDN_STREAM=1: the recurrence of 128x128 heads as gdn_recurrent_pipe_kernel where there are at least as
-// many (row, head) items as SMs; 2: as gdn_recurrent_stream_kernel with two blocks of 256 threads per SM; unset or
-// 0: the per-tile kernel everywhere (the default until the streamed ones are measured). Read at every launch
-// (outside graph replays), so one process can run all three.
-inline int stream_recurrence() {
-  return env_is("SEGKI_GDN_STREAM", "1") ? 1 : env_is("SEGKI_GDN_STREAM", "2") ? 2 : 0;
-}
-
 struct GdnDims {
   int bsz, c_total, hk, dk, dv, hv;
   RowStrides ld;
@@ -405,34 +326,17 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, items = d.bsz * d.hv;
-  const int per_sm = stream_recurrence();
-  if (per_sm > 0 && d.dk == 128 && d.dv == 128 && items >= sms) {
+  if (d.dk == 128 && d.dv == 128 && items >= sms) {
     SEGKI_DISPATCH_HALF(dt, op, [&] {
-      constexpr int kBytes = 128 * 128 * 4;
-      auto launch = [&](auto threads_const) {
-        constexpr int THREADS = decltype(threads_const)::value;
-        allow_dynamic_smem<gdn_recurrent_stream_kernel<T, THREADS>>(kBytes);
-        launch_pdl_smem(gdn_recurrent_stream_kernel<T, THREADS>, dim3(std::min(sms * per_sm, items)),
-            dim3(THREADS), kBytes, stream, dim3(1),
-            reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
-            reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
-            recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
-            static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
-            reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
-            (float)norm_eps, items);
-      };
-      if (per_sm == 1) {
-        allow_dynamic_smem<gdn_recurrent_pipe_kernel<T>>(2 * kBytes);
-        launch_pdl_smem(gdn_recurrent_pipe_kernel<T>, dim3(std::min(sms, items)), dim3(512), 2 * kBytes, stream,
-            dim3(1), reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
-            reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
-            recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
-            static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
-            reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
-            (float)norm_eps, items);
-      } else {
-        launch(std::integral_constant<int, 256>{});
-      }
+      constexpr int kBytes = 2 * 128 * 128 * 4;   // two state slots
+      allow_dynamic_smem<gdn_recurrent_pipe_kernel<T>>(kBytes);
+      launch_pdl_smem(gdn_recurrent_pipe_kernel<T>, dim3(sms), dim3(512), kBytes, stream, dim3(1),
+          reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
+          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
+          recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
+          static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
+          reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
+          (float)norm_eps, items);
     });
     return out;
   }

@@ -17,11 +17,6 @@ KERNEL_SWITCHES = {
     "SEGKI_GEMV_BULK_CHUNKS": (tuple("12345678"), "chunks of weight rows per block on the copy-engine path (1)"),
     "SEGKI_GEMV_PREFETCH": ("<int >= -1>", "bytes of each weight row warmed in L2 before the PDL wait (-1: all)"),
     "SEGKI_GEMV_MAX_ROWS": ("<int >= 1>", "one native row limit for every decode GEMV"),
-    "SEGKI_GDN_STREAM": (("0", "1", "2"), "the GDN recurrence of 128x128 heads, at batches with a (row, head) "
-                                          "state per SM or more, as blocks that loop over the states while the "
-                                          "copy engine streams them: 1, one block per SM that also stores through "
-                                          "the copy engine; 2, two blocks per SM (0, the default: one cluster per "
-                                          "head and row)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }

@@ -339,32 +339,36 @@ def test_gdn_step_reads_column_slices_of_one_product_exactly(shape, batch, dtype
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", [9, 32, 33])
 @pytest.mark.parametrize("shape", ["4b", "08b"])
-@pytest.mark.parametrize("mode", ["1", "2"])
-def test_streamed_gdn_recurrence_equals_the_per_tile_kernel(mode, shape, batch, dtype, monkeypatch):
-    """SEGKI_GDN_STREAM=1 / 2 (one block of 512 / two of 256 threads per SM looping over the (row, head) items, the
-    next state streamed in by the copy engine) gives the bits of the per-tile kernel in the output and the state,
-    on column slices of one product, for item counts around the SM count (the 0.8B shape at 9 rows: 144 items)
-    and with a ragged last round; gdn_decode_step and gdn_recurrent_step alike."""
+def test_resident_gdn_recurrence_gives_each_row_its_bits_alone(shape, batch, dtype):
+    """At (row, head) items >= SMs the recurrence of 128x128 heads runs as resident blocks looping over the items
+    (gdn_recurrent_pipe_kernel); each row alone (fewer items than SMs) runs the per-tile kernel. Both do the same
+    arithmetic in the same order, so every row's output and state equal that row's run alone exactly -- on column
+    slices of one product, for item counts around the SM count (the 0.8B shape at 9 rows: 144 items) and with a
+    ragged last round; gdn_decode_step and gdn_recurrent_step alike."""
     hk, hv, dk, dv = GDN_SHAPES[shape]
+    assert batch * hv >= torch.cuda.get_device_properties(0).multi_processor_count > hv
     g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
     widths = [g["qkv"].shape[1], hv * dv, hv, hv]
     joint = torch.cat([g["qkv"], g["z"], g["b"], g["a"]], dim=1)
     g.update(zip(("qkv", "z", "b", "a"), joint.split(widths, dim=1)))
     tail = (1e-6, hk, dk, dv)
+    rows = [slice(0, batch)] + [slice(r, r + 1) for r in range(batch)]   # the batch, then each row alone
     runs = []
-    for setting in (mode, "0"):
-        monkeypatch.setenv("SEGKI_GDN_STREAM", setting)
-        run = dict(g, conv_state=g["conv_state"].clone(), recurrent_state=g["recurrent_state"].clone())
-        poison((batch, hv * dv), (batch, widths[0]), dtype=dtype)
+    for r in rows:
+        n = r.stop - r.start
+        run = dict(g, conv_state=g["conv_state"][r].clone(), recurrent_state=g["recurrent_state"][r].clone())
+        run.update({k: g[k][r] for k in ("qkv", "z", "b", "a")})
+        poison((n, hv * dv), (n, widths[0]), dtype=dtype)
         out = torch.ops.segki.gdn_decode_step(*run.values(), *tail)
-        rec = run["recurrent_state"].clone()
-        poison((batch, hv * dv), dtype=dtype)
-        alone = torch.ops.segki.gdn_recurrent_step(g["qkv"], g["z"], g["b"], g["a"], rec, g["A_log"], g["dt_bias"],
-                                                   g["norm_weight"], *tail)
+        rec = g["recurrent_state"][r].clone()
+        poison((n, hv * dv), dtype=dtype)
+        alone = torch.ops.segki.gdn_recurrent_step(run["qkv"], run["z"], run["b"], run["a"], rec, g["A_log"],
+                                                   g["dt_bias"], g["norm_weight"], *tail)
         runs.append((out, run["conv_state"], run["recurrent_state"], alone, rec))
-    for got, want in zip(*runs):
+    whole, singles = runs[0], runs[1:]
+    for got, want in zip(whole, (torch.cat(parts) for parts in zip(*singles))):
         assert not torch.isnan(got).any() and torch.equal(got, want)
-    assert not torch.equal(runs[0][2], g["recurrent_state"])      # the state moved
+    assert not torch.equal(whole[2], g["recurrent_state"])      # the state moved
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
