@@ -99,12 +99,30 @@ __device__ __forceinline__ void stash_qk(ItemIn<T, DK, THREADS>& in, float* sq, 
   }
 }
 
+// The block's sums of the q and k squares in two halves around a barrier the caller has anyway: put_qk_norms()
+// before it (each warp's sums into norms[warp]), qk_scales() after it (each thread sums the warps' in warp
+// order). The sums of two block_sum() calls in the same order, with one barrier instead of four.
+template <typename In>
+__device__ __forceinline__ void put_qk_norms(const In& in, float2* norms /* [warps] */) {
+  const float q = warp_sum(in.qq), k = warp_sum(in.kk);
+  if ((threadIdx.x & 31) == 0) norms[threadIdx.x >> 5] = make_float2(q, k);
+}
+
+// (q_scale, k_scale): 1 / (|q| sqrt(DK)) and 1 / |k|, each norm with 1e-6 under the root.
+template <int DK>
+__device__ __forceinline__ float2 qk_scales(const float2* norms) {
+  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  const float2 v = lane < nwarps ? norms[lane] : make_float2(0.f, 0.f);
+  return make_float2(rsqrtf(warp_sum(v.x) + 1e-6f) * rsqrtf((float)DK), rsqrtf(warp_sum(v.y) + 1e-6f));
+}
+
 // The delta rule on the thread's R state entries s of one column (rows ty*R ..): gates, decay, the key's dot
-// product (the column's four row groups summed through red [4][32]), the update and the query's dot product.
-// Returns the column's output, rounded to T.
+// product (the column's four row groups summed through red[0] [4][32]), the update and the query's dot product
+// (through red[1]: no barrier between reading the first sums and writing the second). Returns the column's
+// output, rounded to T.
 template <typename T, int R, typename In>
 __device__ __forceinline__ float delta_rule(float (&s)[R], const In& in, const float* sq, const float* sk,
-                                            float q_scale, float k_scale, float (*red)[32], int ty, int jl) {
+                                            float q_scale, float k_scale, float (*red)[4][32], int ty, int jl) {
   const float v = to_float<T>(in.v_raw);
   const float x = to_float<T>(in.a_raw) + in.dt_b;
   const float g = -expf(in.a_lg) * (x > 20.f ? x : log1pf(expf(x)));
@@ -117,19 +135,18 @@ __device__ __forceinline__ float delta_rule(float (&s)[R], const In& in, const f
     s[i] *= decay;
     part += s[i] * (sk[ty * R + i] * k_scale);
   }
-  red[ty][jl] = part;
+  red[0][ty][jl] = part;
   __syncthreads();
-  const float delta = (v - (red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl])) * beta;
-  __syncthreads();
+  const float delta = (v - (red[0][0][jl] + red[0][1][jl] + red[0][2][jl] + red[0][3][jl])) * beta;
   part = 0.f;
 #pragma unroll
   for (int i = 0; i < R; ++i) {
     s[i] += sk[ty * R + i] * k_scale * delta;
     part += s[i] * (sq[ty * R + i] * q_scale);
   }
-  red[ty][jl] = part;
+  red[1][ty][jl] = part;
   __syncthreads();
-  return round_to<T>(red[0][jl] + red[1][jl] + red[2][jl] + red[3][jl]);
+  return round_to<T>(red[1][0][jl] + red[1][1][jl] + red[1][2][jl] + red[1][3][jl]);
 }
 
 // The gated RMSNorm of output o, given the sum of squares of its head's Dv outputs: weight * norm * SiLU(z).
@@ -157,8 +174,8 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   const int tiles = dv / 32;
   const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
   const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
-  __shared__ float sq[DK], sk[DK], red[4][32], scratch[32];
-  __shared__ float sq_part;
+  __shared__ float sq[DK], sk[DK], red[2][4][32], sq_part;
+  __shared__ float2 norms[4];
   // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
   float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
   float s[R];
@@ -169,9 +186,10 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   auto in = load_item<T, DK, 128>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, dv, b,
                                   h, j);
   stash_qk(in, sq, sk);
-  const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
-  const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
-  const float o = delta_rule<T, R>(s, in, sq, sk, q_scale, k_scale, red, ty, jl);
+  put_qk_norms(in, norms);
+  __syncthreads();
+  const float2 sc = qk_scales<DK>(norms);
+  const float o = delta_rule<T, R>(s, in, sq, sk, sc.x, sc.y, red, ty, jl);
   if (ty == 0) {
     const float w = warp_sum(o * o);
     if (jl == 0) sq_part = w;
@@ -204,7 +222,8 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items) {
   constexpr int DK = 128, DV = 128, THREADS = 512, TILES = DV / 32, R = DK / 4, SLOT = DK * DV, BYTES = SLOT * 4;
   extern __shared__ __align__(16) float slots[];   // [2][DK * DV]
-  __shared__ float sq[DK], sk[DK], red[TILES][4][32], scratch[32], sq_tile[TILES];
+  __shared__ float sq[DK], sk[DK], red[TILES][2][4][32], sq_tile[TILES];
+  __shared__ float2 norms[THREADS / 32];
   __shared__ __align__(8) uint64_t bar[2];
   const int tile = threadIdx.x >> 7, ty = (threadIdx.x >> 5) & 3, jl = threadIdx.x & 31, j = tile * 32 + jl;
   pdl_launch_dependents();
@@ -228,6 +247,8 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
   auto in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
                                       blockIdx.x / hv, blockIdx.x % hv, j);
   stash_qk(in, sq, sk);
+  put_qk_norms(in, norms);
+  __syncthreads();
   int k = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x, ++k) {
     const int b = item / hv, h = item % hv, slot = k & 1, next = item + gridDim.x;
@@ -236,14 +257,15 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     float s[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) s[i] = cur[i * DV];
-    const float q_scale = rsqrtf(block_sum(in.qq, scratch) + 1e-6f) * rsqrtf((float)DK);
-    const float k_scale = rsqrtf(block_sum(in.kk, scratch) + 1e-6f);
-    if (threadIdx.x == 0 && next < items) {  // the other slot: its last store (item k-1's state) read out first
+    const float2 sc = qk_scales<DK>(norms);
+    // the other slot: every thread's reads and writes of it were before item k-1's barriers; its store (item k-1's
+    // state) must have read it out too
+    if (threadIdx.x == 0 && next < items) {
       bulk_wait<false>();
       bulk_fence_reuse();
       request(next, slot ^ 1);
     }
-    const float o = delta_rule<T, R>(s, in, sq, sk, q_scale, k_scale, red[tile], ty, jl);
+    const float o = delta_rule<T, R>(s, in, sq, sk, sc.x, sc.y, red[tile], ty, jl);
     // the next item's inputs requested now: their round trip overlaps this item's store and norm
     auto nxt = in;
     if (next < items)
@@ -267,9 +289,12 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
 #pragma unroll
     for (int r = 0; r < TILES; ++r) total += sq_tile[r];
     if (ty == 0) out[((size_t)b * hv + h) * DV + j] = gated_norm<T>(o, total, DV, eps, in);
-    if (next < items) stash_qk(nxt, sq, sk);   // every read of sq and sk for this item was before delta_rule's end
+    if (next < items) {  // every read of sq, sk and norms for this item was before delta_rule's barriers
+      stash_qk(nxt, sq, sk);
+      put_qk_norms(nxt, norms);
+    }
     in = nxt;
-    __syncthreads();  // red, sq_tile and scratch are the next item's; sq and sk hold its q and k
+    __syncthreads();  // red and sq_tile are the next item's; sq, sk and norms hold its q and k
   }
   if (threadIdx.x == 0) bulk_wait<true>();   // the last states written before the block's shared memory goes
 }
