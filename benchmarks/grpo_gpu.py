@@ -157,11 +157,16 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
     def med(key: str) -> float:
         return statistics.median(float(r[key]) for r in keep)
 
+    def rollout_med(key: str) -> float:  # logged by the steps that roll out only
+        got = [float(r[key]) for r in keep if r.get(key)]
+        return round(statistics.median(got), 3) if got else float("nan")
+
     pairs = per_rollout(keep)
     step, rollout = statistics.median(s for s, _ in pairs), statistics.median(r for _, r in pairs)
     train_tok_s = med("time/train_tokens_per_s")
     out = dict(steps=len(rows), steps_measured=len(keep), step_s=round(step, 3), rollout_s=round(rollout, 3),
                slowest_step_s=round(max(float(r["time/step_s"]) for r in keep), 3),
+               prefill_s=rollout_med("time/rollout_prefill_s"), decode_s=rollout_med("time/rollout_decode_s"),
                train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
                mfu_train=round(6 * params * train_tok_s / devices / PEAK_FLOPS, 3),
@@ -230,7 +235,7 @@ def main() -> None:
               "training part's per GPU (6 x parameters x trained tokens / (step - rollout time) / GPUs / 989 TFLOP/s); peak GiB is "
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
-            "rollout_s", "train_s",
+            "rollout_s", "prefill_s", "decode_s", "train_s",
             "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "tok_s_vs_off", "tok_s_vs_1gpu",
             "weights_identical", "first_step_s", "completion_len", "clip_ratio_max", "logprob_diff_mean",
             "logprob_diff_max", "kl_sampler_trainer", "error"]
