@@ -346,7 +346,9 @@ def test_resident_gdn_recurrence_gives_each_row_its_bits_alone(shape, batch, dty
     slices of one product, for item counts around the SM count (the 0.8B shape at 9 rows: 144 items) and with a
     ragged last round; gdn_decode_step and gdn_recurrent_step alike."""
     hk, hv, dk, dv = GDN_SHAPES[shape]
-    assert batch * hv >= torch.cuda.get_device_properties(0).multi_processor_count > hv
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if not batch * hv >= sms > hv:
+        pytest.skip(f"{sms} SMs: the batch and its rows alone take the same kernel here")
     g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
     widths = [g["qkv"].shape[1], hv * dv, hv, hv]
     joint = torch.cat([g["qkv"], g["z"], g["b"], g["a"]], dim=1)
