@@ -1,10 +1,11 @@
 // Copies from global to shared memory by the copy engine (sm_90 cp.async.bulk), each completing on an mbarrier:
 // a block can have a weight's bytes in flight without a register per load, and before the PDL wait, since
 // weights do not depend on the previous kernel. And back (bulk_store): a block's result leaves shared memory
-// without a store instruction per element (the GDN recurrence's state). Measured: a block streaming a long share through a ring of 16-32 KB
-// slots reaches 104-110 % of copy bandwidth, one to eight blocks per SM alike (`results/bulk_grid/stream/`); a
-// GEMV built as one block per SM over such a ring did not (`results/bulk_gemv/`), one built as one block per chunk
-// requested before the PDL wait wins on the 0.8B shapes (`results/bulk_grid/`).
+// without a store instruction per element (the GDN recurrence's state). Measured: a block streaming a long
+// share through a ring of 16-32 KB slots reaches 104-110 % of copy bandwidth, one to eight blocks per SM alike
+// (`results/bulk_grid/stream/`); a GEMV built as one block per SM over such a ring did not
+// (`results/bulk_gemv/`), one built as one block per chunk requested before the PDL wait wins on the 0.8B shapes
+// (`results/bulk_grid/`).
 #pragma once
 
 #include <cstdint>
