@@ -154,19 +154,16 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
         rows = [r for r in csv.DictReader(f) if r.get("time/step_s")]
     keep = rows[warm:] or rows
 
-    def med(key: str) -> float:
-        return statistics.median(float(r[key]) for r in keep)
-
-    def rollout_med(key: str) -> float:  # logged by the steps that roll out only
+    def med(key: str) -> float:  # over the steps that logged the key (some only on the steps that roll out)
         got = [float(r[key]) for r in keep if r.get(key)]
-        return round(statistics.median(got), 3) if got else float("nan")
+        return statistics.median(got) if got else float("nan")
 
     pairs = per_rollout(keep)
     step, rollout = statistics.median(s for s, _ in pairs), statistics.median(r for _, r in pairs)
     train_tok_s = med("time/train_tokens_per_s")
     out = dict(steps=len(rows), steps_measured=len(keep), step_s=round(step, 3), rollout_s=round(rollout, 3),
                slowest_step_s=round(max(float(r["time/step_s"]) for r in keep), 3),
-               prefill_s=rollout_med("time/rollout_prefill_s"), decode_s=rollout_med("time/rollout_decode_s"),
+               prefill_s=round(med("time/rollout_prefill_s"), 3), decode_s=round(med("time/rollout_decode_s"), 3),
                train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
                mfu_train=round(6 * params * train_tok_s / devices / PEAK_FLOPS, 3),
