@@ -397,6 +397,8 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   const int width = (int)conv_state.size(2);
   TORCH_CHECK(width <= kMaxConvWidth && conv_weight.size(0) == d.c_total && conv_weight.size(1) == width, op,
               ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
+  TORCH_CHECK(conv_state.sizes() == at::IntArrayRef({d.bsz, d.c_total, width}), op, ": conv_state ",
+              conv_state.sizes(), " != [B, C, width]: one conv window per row of qkv and channel");
   auto mixed = at::empty(qkv.sizes(), qkv.options());   // contiguous, whatever qkv's row stride
   if (d.bsz > 0) {
     c10::cuda::CUDAGuard guard(qkv.device());

@@ -542,6 +542,11 @@ calls = {
     "linear": lambda: ops.linear(x, torch.randn(8, 64, **bf), None, None),
     "gdn_in_proj_conv": lambda: ops.gdn_in_proj_conv(x, *[torch.randn(n, 72, **bf) for n in (40, 8, 2, 2)],
                                                      torch.randn(2, 41, 4, **bf), torch.randn(40, 4, **bf), None),
+    "gdn_decode_step": lambda: ops.gdn_decode_step(
+        torch.randn(2, 384, **bf), torch.randn(2, 128, **bf), torch.randn(2, 2, **bf), torch.randn(2, 2, **bf),
+        torch.randn(1, 384, 4, **bf), torch.randn(384, 4, **bf), None,
+        torch.zeros(2, 2, 64, 64, device="cuda"), torch.randn(2, **bf), torch.randn(2, **bf),
+        torch.ones(64, **bf), 1e-6, 2, 64, 64),
 }
 for name, call in calls.items():
     try:
@@ -576,6 +581,7 @@ def test_a_native_op_raises_on_bad_input_instead_of_crashing():
                     f"ldd {so.name}:\n{libs}\nthe extension's compiler: {cxx}\ntorch built with: {built}")
     assert "linear raised: segki::linear: weight" in proc.stdout, proc.stdout
     assert "gdn_in_proj_conv raised: segki::gdn_in_proj_conv: conv_state" in proc.stdout, proc.stdout
+    assert "gdn_decode_step raised: segki::gdn_decode_step: conv_state" in proc.stdout, proc.stdout
 
 
 def sampling_args(b, temperature, top_k=0, top_p=1.0):
