@@ -58,8 +58,8 @@ def ours(model, batch: int, greedy: bool, use_segki: bool) -> dict:
     runs = [engine.generate(prompts, cfg).stats for _ in range(2)]
     s = min(runs, key=lambda r: r.decode_s)
     out = dict(decode_tok_s=round(batch * s.steps / s.decode_s, 1), step_ms=round(s.decode_s / s.steps * 1e3, 3),
-               prefill_s=round(s.prefill_s, 3), capture_s=round(engine.capture_s, 2), warmup_s=round(warm, 2),
-               path=s.path)
+               prefill_s=round(s.prefill_s, 3), capture_s=round(engine.capture_s + engine.prefiller.capture_s, 2),
+               warmup_s=round(warm, 2), path=s.path)
     engine.free()
     return out
 
@@ -164,8 +164,8 @@ def main() -> None:
             add(model=name, system="HF static cache + compile", batch=batch, mode="greedy", **r)
         del model
         torch.cuda.empty_cache()
-    cols = ["model", "system", "batch", "mode", "decode_tok_s", "step_ms", "pct_roofline", "capture_s", "warmup_s",
-            "path", "error"]
+    cols = ["model", "system", "batch", "mode", "decode_tok_s", "step_ms", "pct_roofline", "prefill_s", "capture_s",
+            "warmup_s", "path", "error"]
     header = (f"# Decode throughput (bf16, prompt {PROMPT}, {NEW} new tokens, {torch.cuda.get_device_name()}, "
               f"copy bandwidth {bw:.0f} GB/s)\n\nCommand: `python benchmarks/decode.py {' '.join(sys.argv[1:])}`")
     write_results(args.out, "decode", rows, cols, header)

@@ -22,6 +22,8 @@
 #           benchmarks/kernels.py's projections at those rows, with the packed rows (joint/kernels/)
 #   gdn     the GDN step: its GPU tests, ncu_shapes.py's GDN step under Nsight Compute with warp stall reasons
 #           (gdn/ncu.csv/md) and decode at 8, 16 and 32 rows (gdn/decode.json/md)
+#   prefill benchmarks/decode.py, ours at 1 and 32 rows of one 128-token prompt: its prefill_s is the bucketed
+#           prefill replayed as a CUDA graph (prefill/decode.json/md)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -102,6 +104,10 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/decode.py --out "$out/gdn" --batches 8 16 32 --hf-eager-batches --hf-compile-batches \
                --no-graph-only > "$out/gdn/decode.log" 2>&1
              grep -E "ours" "$out/gdn/decode.md" | cut -d'|' -f2,4,5,6,7 ;;
+    prefill) python3 benchmarks/decode.py --out "$out/prefill" --batches 1 32 --hf-eager-batches --hf-compile-batches \
+               --no-graph-only > "$out/prefill.log" 2>&1 || tail -5 "$out/prefill.log"
+             python3 -c "import json, sys; [print(r['model'], r['batch'], r['mode'], 'prefill_s', r['prefill_s'])
+                         for r in json.load(open(sys.argv[1])) if 'prefill_s' in r]" "$out/prefill/decode.json" ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;

@@ -79,18 +79,24 @@ class StaticHybridCache:
         return sum(t.numel() * t.element_size() for t in ts)
 
     # ---- filling from a prefill (a transformers DynamicCache of a left-padded prompt batch)
-    def load_prompt(self, hf_cache, src: int, pad: int, rows: slice, length: int) -> None:
-        """Copy prompt ``src`` of the prefill batch (``pad`` left-padding positions, ``length`` tokens) into
-        rows ``rows``, its tokens at positions ``[0, length)``."""
+    def load_prompts(self, hf_cache, src: Tensor, rows: Tensor, pads: Tensor, lengths: Tensor) -> None:
+        """Row ``rows[k]`` gets prompt ``src[k]`` of the prefill batch (``pads[k]`` left-padding positions,
+        ``lengths[k]`` tokens) at positions ``[0, lengths[k])``; all ``[N]`` int64 on the device, one copy
+        per buffer. Positions past a row's length are left undefined: a decode step writes the row's next
+        token at its length and reads below it only."""
         for i, lay in enumerate(self.layouts):
             if lay.kind == "attention":
-                layer = hf_cache.layers[i]
-                self.keys[i][rows, :, :length] = layer.keys[src, :, pad:pad + length]
-                self.values[i][rows, :, :length] = layer.values[src, :, pad:pad + length]
+                k, v = hf_cache.layers[i].keys, hf_cache.layers[i].values                   # [R, Hkv, W, D]
+                w = min(k.shape[2], self.max_seq)
+                at = (torch.arange(w, device=src.device)[None] + pads[:, None]).clamp_max(k.shape[2] - 1)
+                at = at[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])          # [N, Hkv, w, D]
+                self.keys[i][:, :, :w].index_copy_(0, rows, k.index_select(0, src).gather(2, at))
+                self.values[i][:, :, :w].index_copy_(0, rows, v.index_select(0, src).gather(2, at))
             else:
-                self.conv[i][rows] = hf_cache.get_conv_state(i)[src]
-                self.recurrent[i][rows] = hf_cache.get_recurrent_state(i)[src].float()
-        self.lengths[rows] = length
+                self.conv[i].index_copy_(0, rows, hf_cache.get_conv_state(i).index_select(0, src))
+                rec = hf_cache.get_recurrent_state(i).index_select(0, src)
+                self.recurrent[i].index_copy_(0, rows, rec.to(self.recurrent[i].dtype))
+        self.lengths.index_copy_(0, rows, lengths)
 
     # ---- transformers cache interface (decode: one token per row)
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):

@@ -1,8 +1,9 @@
 """RolloutEngine: batched generation from the SAME model that trains.
 
 Prefill runs the prompts through the model's own forward in left-padded groups whose result is what each
-prompt alone gives (flash-linear-attention's chunked kernels for Gated DeltaNet when installed) and copies
-the state into a static hybrid cache, replicated for the n samples. Decode is one step function -- model forward with the
+prompt alone gives (flash-linear-attention's chunked kernels for Gated DeltaNet when installed), padded to
+fixed shapes and replayed as CUDA graphs (:mod:`.prefill`), and copies the state into a static hybrid cache,
+replicated for the n samples. Decode is one step function -- model forward with the
 injected segments and a rotary table, sampling, EOS bookkeeping, length/position updates -- captured once per batch-size
 bucket as a CUDA graph and replayed; graphs survive optimizer steps because parameters are updated in
 place (a change of parameter storage is detected and triggers a recapture).
@@ -24,6 +25,7 @@ from .attention import NAME as SEGKI_ATTENTION, attention_implementation, regist
 from .batch import RolloutBatch, RolloutStats, left_pad
 from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
+from .prefill import Prefiller
 from .rope import RopeTable, rotary_module
 
 log = logging.getLogger("segki_lightning")
@@ -95,6 +97,7 @@ class RolloutEngine:
         self.vocab_size = model.get_output_embeddings().out_features
         self.eos, self.pad = self._special_tokens(eos_token_id, pad_token_id)
         self.layouts = layer_layouts(model)
+        self.prefiller = Prefiller(model, self.pad, self.graph_capture)
         if use_segki:
             register()
         native = ops.backend("gated_mlp_front", self.dtype, self.device) == "native"
@@ -122,12 +125,14 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
+            groups = self._prefill_groups(prompts)
             if self.graph_capture:
                 self._ensure_graph(bucket)
+                self.prefiller.prepare([[prompts[i] for i in g] for g in groups])
             stats = RolloutStats(path=self.path)
             state, cache = self._reset(bucket, n_rows, sampling)
             t0 = self._sync_time()
-            self._prefill(prompts, sampling, state.rows(n_rows), cache)
+            self._prefill(prompts, groups, sampling, state.rows(n_rows), cache)
             t1 = self._sync_time()
             steps = 0
             for step in range(1, sampling.max_new_tokens):
@@ -147,6 +152,7 @@ class RolloutEngine:
     def free(self) -> None:
         """Release graphs, cache and decode buffers (they are rebuilt on the next ``generate``)."""
         self._graphs.clear()
+        self.prefiller.free()
         self.cache = self.state = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -235,29 +241,29 @@ class RolloutEngine:
         return st, cache
 
     # ------------------------------------------------------------------------------------------ prefill
-    def _prefill(self, prompts: list[list[int]], sampling: SamplingConfig, st: _DecodeState,
-                 cache: StaticHybridCache) -> None:
-        """Prefill prompts in left-padded groups of similar length through the model's own forward.
-
-        Padded positions are masked for attention and zeroed for Gated DeltaNet (whose state a zero input
-        leaves at zero), and positions count real tokens only, so each prompt's state is the one it gets
-        alone; its first token is sampled for all of its n rows."""
-        n = sampling.n
+    @staticmethod
+    def _prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
+        """Prompt indices in forwards of at most PREFILL_GROUP, sorted by length so padding stays small."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        for g0 in range(0, len(order), PREFILL_GROUP):
-            group = order[g0:g0 + PREFILL_GROUP]
-            ids, mask = (t.to(self.device) for t in left_pad([prompts[i] for i in group], self.pad))
-            width = ids.shape[1]
-            positions = (mask.cumsum(1) - 1).clamp_min(0)
-            out = self.model(input_ids=ids, attention_mask=mask if len(group) > 1 else None,
-                             position_ids=positions, use_cache=True, logits_to_keep=1)
-            for j, i in enumerate(group):
-                rows = slice(i * n, (i + 1) * n)
-                cache.load_prompt(out.cache, j, width - len(prompts[i]), rows, len(prompts[i]))
-                logits = out.logits[j, -1].expand(n, -1)                                  # [n, V]
-                tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature[rows], st.top_k[rows],
-                                            st.top_p[rows], st.seed[rows], st.offset[rows])
-                self._record(st, tok, lp, rows)
+        return [order[g0:g0 + PREFILL_GROUP] for g0 in range(0, len(order), PREFILL_GROUP)]
+
+    def _prefill(self, prompts: list[list[int]], groups: list[list[int]], sampling: SamplingConfig,
+                 st: _DecodeState, cache: StaticHybridCache) -> None:
+        """Prefill each group (:class:`~segki_lightning.rollout.prefill.Prefiller`), copy each prompt's state
+        into its n rows, then sample every row's first token from its prompt's last logits in one call."""
+        n = sampling.n
+        first = None                                                                    # [N, V]
+        for group in groups:
+            out = self.prefiller([prompts[i] for i in group])
+            index = torch.tensor([[j, i * n + k, out.pads[j], len(prompts[i])]
+                                  for j, i in enumerate(group) for k in range(n)]).T.to(self.device)  # [4, g*n]
+            src, rows, pads, lengths = index
+            cache.load_prompts(out.cache, src, rows, pads, lengths)
+            if first is None:
+                first = out.logits.new_empty(len(prompts) * n, out.logits.shape[1])
+            first.index_copy_(0, rows, out.logits.index_select(0, src))
+        tok, lp = ops.sample_tokens(first, st.temperature, st.top_k, st.top_p, st.seed, st.offset)
+        self._record(st, tok, lp)
         st.offset.add_(1)
 
     # ------------------------------------------------------------------------------------------ decode
