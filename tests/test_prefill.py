@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from segki_lightning.rollout.cache import StaticHybridCache, layer_layouts
-from segki_lightning.rollout.prefill import Prefiller, additive_mask, bucketable, rows_bucket, width_bucket
+from segki_lightning.rollout.graphs import pow2_bucket
+from segki_lightning.rollout.prefill import Prefiller, additive_mask, bucketable, width_bucket
 
 from .tiny_models import VOCAB, build_model
 
@@ -17,7 +18,7 @@ def test_buckets_cover_every_size_with_at_most_half_padding():
         assert b >= w and (b <= 16 or b <= 1.5 * w), (w, b)
     assert [width_bucket(w) for w in (1, 16, 17, 24, 25, 33, 49, 65, 97, 129)] == \
         [16, 16, 24, 24, 32, 48, 64, 96, 128, 192]
-    assert [rows_bucket(r) for r in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
+    assert [pow2_bucket(r) for r in (1, 2, 3, 5, 16)] == [1, 2, 4, 8, 16]
 
 
 def test_additive_mask_is_causal_over_real_keys_and_no_row_is_empty():

@@ -25,6 +25,7 @@ from .attention import NAME as SEGKI_ATTENTION, attention_implementation, regist
 from .batch import RolloutBatch, RolloutStats, left_pad
 from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
+from .graphs import capture, parameter_ptrs, pow2_bucket
 from .prefill import Prefiller
 from .rope import RopeTable, rotary_module
 
@@ -206,10 +207,7 @@ class RolloutEngine:
         return out
 
     def _bucket(self, rows: int) -> int:
-        b = 1
-        while b < rows:
-            b *= 2
-        return min(b, self.max_batch_size)
+        return min(pow2_bucket(rows), self.max_batch_size)
 
     # ------------------------------------------------------------------------------------------ buffers
     def _allocate(self) -> None:
@@ -290,7 +288,7 @@ class RolloutEngine:
         self._record(st, tok, lp, lengths=cache.lengths)   # then offset and lengths + 1
 
     def _ensure_graph(self, bucket: int) -> None:
-        ptrs = tuple(p.data_ptr() for p in self.model.parameters())
+        ptrs = parameter_ptrs(self.model)
         held = self._graphs.get(bucket)
         if held is not None and held[1] == ptrs:
             return
@@ -298,16 +296,7 @@ class RolloutEngine:
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
         cache.lengths.zero_()
         st.finished.fill_(True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up: lazy inits, kernel caches, allocator
-                self._step(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step(bucket)
-        torch.cuda.synchronize()
+        graph, _ = capture(lambda: self._step(bucket), warmups=2)
         self._graphs[bucket] = (graph, ptrs)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0

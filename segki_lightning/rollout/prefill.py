@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .batch import left_pad
+from .graphs import capture, parameter_ptrs, pow2_bucket
 
 log = logging.getLogger("segki_lightning")
 MAX_GRAPH_TOKENS = 8192   # rows x width above this run eagerly: launches no longer dominate, and a graph's
@@ -38,13 +39,6 @@ def width_bucket(width: int) -> int:
             if w >= width:
                 return w
         b *= 2
-
-
-def rows_bucket(rows: int) -> int:
-    b = 1
-    while b < rows:
-        b *= 2
-    return b
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -102,13 +96,13 @@ class Prefiller:
         longest = max(len(p) for p in prompts)
         if not self.bucketed:
             return len(prompts), longest
-        return rows_bucket(len(prompts)), width_bucket(longest)
+        return pow2_bucket(len(prompts)), width_bucket(longest)
 
     def prepare(self, groups: list[list[list[int]]]) -> None:
         """Capture the graphs these groups need (before timing starts, as the decode graph is)."""
         if not self.graphs:
             return
-        ptrs = self._ptrs()
+        ptrs = parameter_ptrs(self.model)
         for shape in sorted({self.shape(g) for g in groups}):
             if shape[0] * shape[1] > MAX_GRAPH_TOKENS:
                 continue
@@ -128,7 +122,7 @@ class Prefiller:
         ids = torch.nn.functional.pad(ids, (width - ids.shape[1], 0, 0, rows - len(prompts)), value=self.pad)
         mask = torch.nn.functional.pad(mask, (width - mask.shape[1], 0, 0, rows - len(prompts)))   # [R, W]
         held = self._held.get((rows, width)) if self.graphs and rows * width <= MAX_GRAPH_TOKENS else None
-        if held is None or held[1] != self._ptrs():
+        if held is None or held[1] != parameter_ptrs(self.model):
             out = self._forward(ids.to(self.device), mask.to(self.device))
         else:
             graph, _, (s_ids, s_mask), out = held
@@ -153,9 +147,6 @@ class Prefiller:
         return self.model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
                           logits_to_keep=1)
 
-    def _ptrs(self) -> tuple[int, ...]:
-        return tuple(p.data_ptr() for p in self.model.parameters())
-
     def _ensure(self, shape: tuple[int, int], ptrs: tuple[int, ...]) -> None:
         held = self._held.get(shape)
         if held is not None and held[1] == ptrs:
@@ -163,17 +154,9 @@ class Prefiller:
         t0 = time.perf_counter()
         ids = torch.full(shape, self.pad, dtype=torch.long, device=self.device)
         mask = torch.ones(shape, dtype=torch.long, device=self.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(ids, mask)   # warm-up: autotuning, library handles, lazy state
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()   # shared: each replay's output is read before the next
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(ids, mask)
-        torch.cuda.synchronize()
+        graph, out = capture(lambda: self._forward(ids, mask), warmups=1, pool=self._pool)
         self._held[shape] = (graph, ptrs, (ids, mask), out)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
