@@ -3,8 +3,8 @@ layers, allocated once for (max_batch_size, max_seq_len) with per-row lengths on
 
 It speaks the parts of transformers' cache interface the decode forward uses (``update`` for attention
 layers; ``get_conv_state`` / ``get_recurrent_state`` / ``update_recurrent_state`` / ``is_recording_past``
-for Gated-DeltaNet layers), and ``segki_attention_state`` / ``segki_gdn_states`` for the fused steps. Row b holds its tokens at
-positions ``[0, lengths[b])``; a decode step writes the new token at ``lengths[b]``.
+for Gated-DeltaNet layers), and ``segki_attention_state`` / ``segki_gdn_states`` for the fused steps. Row b
+holds its tokens at positions ``[0, lengths[b])``; a decode step writes the new token at ``lengths[b]``.
 """
 from __future__ import annotations
 
