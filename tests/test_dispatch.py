@@ -46,16 +46,20 @@ def test_every_native_op_has_a_reference_and_a_fake():
         assert name in fakes, f"no register_fake for segki::{name}"
 
 
-def test_gemv_row_limits_per_op_and_weight_size_or_one_from_the_environment(monkeypatch):
+def test_gemv_row_limits_per_op_and_weight_size_or_from_the_environment(monkeypatch):
     monkeypatch.delenv("SEGKI_GEMV_MAX_ROWS", raising=False)
     limits, from_env = dispatch._gemv_rows()
     assert limits == dispatch.GEMV_ROWS and limits is not dispatch.GEMV_ROWS and not from_env
     monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "64")
     limits, from_env = dispatch._gemv_rows()
     assert set(limits.values()) == {64} and limits.keys() == dispatch.GEMV_ROWS.keys() and from_env
-    monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "sixteen")
-    with pytest.raises(ValueError, match="positive number of rows"):
-        dispatch._gemv_rows()
+    monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", "gated_mlp_front:32, qkv_proj:24")
+    limits, from_env = dispatch._gemv_rows()
+    assert limits == {**dispatch.GEMV_ROWS, "gated_mlp_front": 32, "qkv_proj": 24} and from_env
+    for bad in ("sixteen", "0", "gate_up:32", "linear:0", "linear:32,", "linear"):
+        monkeypatch.setenv("SEGKI_GEMV_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="positive number of rows"):
+            dispatch._gemv_rows()
 
 
 def test_large_weights_leave_the_native_path_after_one_row(monkeypatch):
@@ -108,6 +112,10 @@ def test_kernel_switches_accept_their_values_and_name_what_to_change():
     for bad in ("-2", "2k", ""):
         with pytest.raises(ValueError, match=r"SEGKI_GEMV_PREFETCH=.*expected <int >= -1>"):
             check_switches({"SEGKI_GEMV_PREFETCH": bad})
+    check_switches({"SEGKI_GEMV_MAX_ROWS": "gated_mlp_front:32, linear:24"})
+    for bad in ("0", "linear:0", "linear", "linear:32,", ""):
+        with pytest.raises(ValueError, match=r"SEGKI_GEMV_MAX_ROWS=.*op:rows pairs"):
+            check_switches({"SEGKI_GEMV_MAX_ROWS": bad})
     with pytest.raises(ValueError, match=r"SEGKI_ATTN='Batched'.*; SEGKI_PDL='off'"):  # every problem at once
         check_switches({"SEGKI_PDL": "off", "SEGKI_ATTN": "Batched"})
 

@@ -46,15 +46,23 @@ LARGE_FUSED_BYTES = 32 * 2**20
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
-    """The native row limits, and whether ``SEGKI_GEMV_MAX_ROWS`` set them: one limit for every op and every
-    weight size (for end-to-end comparisons)."""
+    """The native row limits, and whether ``SEGKI_GEMV_MAX_ROWS`` set them (for end-to-end comparisons): a number
+    sets one limit for every op and every weight size; ``op:rows,...`` sets those ops' limits for every weight
+    size and keeps the others' defaults."""
     raw = os.environ.get("SEGKI_GEMV_MAX_ROWS")
     if raw is None:
         return dict(GEMV_ROWS), False
-    if not raw.isdigit() or int(raw) < 1:
-        raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows (unset: per-op limits "
-                         f"{GEMV_ROWS})")
-    return dict.fromkeys(GEMV_ROWS, int(raw)), True
+    if raw.isdigit() and int(raw) >= 1:
+        return dict.fromkeys(GEMV_ROWS, int(raw)), True
+    rows = dict(GEMV_ROWS)
+    for item in raw.split(","):
+        op, _, n = item.partition(":")
+        if op.strip() not in GEMV_ROWS or not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows, or op:rows pairs "
+                             f"separated by commas with op one of {sorted(GEMV_ROWS)} (unset: per-op limits "
+                             f"{GEMV_ROWS})")
+        rows[op.strip()] = int(n)
+    return rows, True
 
 
 MAX_ROWS, ROWS_FROM_ENV = _gemv_rows()   # read at import; the kernels themselves take up to 64 rows per launch
