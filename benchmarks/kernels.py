@@ -95,13 +95,13 @@ def bench_norm(model, batch, bw):
                graph_time_us([lambda: R.add_rms_norm(x, res, w, 1e-6, True)]), bw)
 
 
-def bench_attention(model, valid, cache, bw):
+def bench_attention(model, batch, valid, cache, bw):
     _, _, _, (hq, hkv, d), _ = MODELS[model]
-    q = rand(1, hq, d)
-    k, v = rand(1, hkv, cache, d), rand(1, hkv, cache, d)
-    lengths = torch.full((1,), valid, device="cuda", dtype=torch.int32)
-    moved = 2 * valid * hkv * d * 2 + nbytes(q) * 2
-    return row(model, f"decode_attention {valid / 1024:g}k valid / {cache / 1024:g}k cache", 1, moved,
+    q = rand(batch, hq, d)
+    k, v = rand(batch, hkv, cache, d), rand(batch, hkv, cache, d)
+    lengths = torch.full((batch,), valid, device="cuda", dtype=torch.int32)
+    moved = batch * 2 * valid * hkv * d * 2 + nbytes(q) * 2
+    return row(model, f"decode_attention {valid / 1024:g}k valid / {cache / 1024:g}k cache", batch, moved,
                graph_time_us([lambda: torch.ops.segki.decode_attention(q, k, v, lengths, d**-0.5)]),
                graph_time_us([lambda: R.decode_attention(q, k, v, lengths, d**-0.5)], calls=8), bw)
 
@@ -179,11 +179,13 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
                     help="kernel groups to measure (default: all)")
     ap.add_argument("--attn-valid", nargs="+", type=int, default=None,
-                    help="decode attention at these valid lengths in a 32k cache (default: 8k and 32k valid in "
-                         "8k and 32k caches, and 512 valid in a 32k cache)")
+                    help="decode attention (at each of --batches) at these valid lengths in a cache of "
+                         "--attn-cache positions (default: 8k and 32k valid in 8k and 32k caches, and 512 valid in "
+                         "a 32k cache)")
+    ap.add_argument("--attn-cache", type=int, default=32768, help="cache positions for --attn-valid")
     args = ap.parse_args()
-    if args.attn_valid and not all(0 <= n <= 32768 for n in args.attn_valid):
-        ap.error(f"--attn-valid {args.attn_valid}: each length must fit the 32k cache (0-32768)")
+    if args.attn_valid and not all(0 <= n <= args.attn_cache for n in args.attn_valid):
+        ap.error(f"--attn-valid {args.attn_valid}: each length must fit the cache (0-{args.attn_cache})")
     if native_ops() is None:
         sys.exit("the segki extension is not available on this machine")
     bw = copy_bandwidth_gbps()
@@ -205,11 +207,11 @@ def main() -> None:
                 rows.append(bench_gdn(model, batch, bw))
                 for t in (0.0, 1.0):
                     rows.append(bench_sampling(model, batch, t, bw))
-        if "attention" in on:
-            pairs = ([(n, 32768) for n in args.attn_valid] if args.attn_valid
-                     else [(8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)])
-            for valid, cache in pairs:
-                rows.append(bench_attention(model, valid, cache, bw))
+            if "attention" in on:
+                pairs = ([(n, args.attn_cache) for n in args.attn_valid] if args.attn_valid
+                         else [(8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)])
+                for valid, cache in pairs:
+                    rows.append(bench_attention(model, batch, valid, cache, bw))
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
     cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup"]
