@@ -328,9 +328,18 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
   }
 }
 
-// SEGKI_ATTN=batched selects the batched-softmax partial kernel and twice the splits (default: per-position
-// online softmax). Read on every call, so one process can compare both.
-inline bool batched_attention() { return env_is("SEGKI_ATTN", "batched"); }
+// The batched-softmax partial kernel (with twice the splits) once rows x KV heads reach 64, the per-position
+// online softmax below. Measured on the H200 (`benchmarks/results/attn_rows/`, 128-384 valid positions):
+// 0.8B at 32 rows (64 row-heads) 12.4 -> 11.4 us at 128 valid and 23.6 -> 17.1 at 384, decode 1.637 -> 1.613
+// ms a step; 4B at 16 rows (64) 12.2 -> 11.2 and 23.4 -> 17.0; but 0.8B at 16 rows (32) 9.7 -> 11.4 at 128
+// valid, and at one row online wins below ~8k valid. SEGKI_ATTN=online / batched forces one variant (read on every
+// call, so one process can compare both).
+constexpr int kBatchedRowHeads = 64;
+inline bool batched_attention(int row_heads) {
+  if (env_is("SEGKI_ATTN", "batched")) return true;
+  if (env_is("SEGKI_ATTN", "online")) return false;
+  return row_heads >= kBatchedRowHeads;
+}
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                             const at::Tensor& lengths, double scale, const c10::optional<at::Tensor>& gate) {
@@ -360,7 +369,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   if (bsz == 0) return out;
   c10::cuda::CUDAGuard guard(q.device());
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const bool batched = batched_attention();
+  const bool batched = batched_attention(bsz * hkv);
   const int per_sm = batched ? 4 : 2;  // blocks per SM the splits aim for
   const int splits =
       std::max(1, std::min({(per_sm * sms + bsz * hkv - 1) / (bsz * hkv), kMaxSplits, (s_max + 15) / 16}));

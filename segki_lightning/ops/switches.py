@@ -4,19 +4,23 @@ or value fails with what to change instead of leaving the default path to run un
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 
-# name -> (accepted values, what the switch does); "<int >= -1>" accepts such a number
+# name -> (accepted values, what the switch does); "<int >= -1>" accepts such a number, a pattern what it matches
 KERNEL_SWITCHES = {
     "SEGKI_PDL": (("0", "1"), "0: launch each kernel after the previous one ends (no programmatic dependent "
                               "launch)"),
     "SEGKI_ATTN": (("online", "batched"), "batched: decode attention scoring several positions and heads at once; "
-                                          "online (the default): one position at a time"),
+                                          "online: one position at a time (unset: batched from 64 rows x KV "
+                                          "heads)"),
     "SEGKI_GEMV_PIPE": (("0", "1"), "0: the tensor-core GEMV with one stage of weight loads in flight"),
     "SEGKI_GEMV_BULK": (("0", "1"), "1/0: every / no 1-4 row GEMV through the copy engine (unset: by weight size)"),
     "SEGKI_GEMV_BULK_CHUNKS": (tuple("12345678"), "chunks of weight rows per block on the copy-engine path (1)"),
     "SEGKI_GEMV_PREFETCH": ("<int >= -1>", "bytes of each weight row warmed in L2 before the PDL wait (-1: all)"),
-    "SEGKI_GEMV_MAX_ROWS": ("<int >= 1>", "one native row limit for every decode GEMV"),
+    "SEGKI_GEMV_MAX_ROWS": (re.compile(r"[1-9]\d*|\w+:[1-9]\d*(, *\w+:[1-9]\d*)*"),
+                            "one native row limit for every decode GEMV, or op:rows pairs for those ops "
+                            "(e.g. gated_mlp_front:32,linear:16)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }
@@ -24,9 +28,11 @@ KERNEL_SWITCHES = {
 OTHER_VARIABLES = ("SEGKI_CACHE", "SEGKI_CI_VENV")
 
 
-def _accepts(accepted: tuple[str, ...] | str, value: str) -> bool:
+def _accepts(accepted: tuple[str, ...] | str | re.Pattern, value: str) -> bool:
     if isinstance(accepted, tuple):
         return value in accepted
+    if isinstance(accepted, re.Pattern):
+        return accepted.fullmatch(value) is not None
     low = int(accepted.split(">=")[1].rstrip(">"))
     try:
         return int(value) >= low
@@ -47,7 +53,8 @@ def check_switches(environ: Mapping[str, str] = os.environ) -> None:
             continue
         accepted, meaning = KERNEL_SWITCHES[name]
         if not _accepts(accepted, value):
-            shown = " or ".join(accepted) if isinstance(accepted, tuple) else accepted
+            shown = (" or ".join(accepted) if isinstance(accepted, tuple) else
+                     accepted.pattern if isinstance(accepted, re.Pattern) else accepted)
             problems.append(f"{name}={value!r}: expected {shown} ({meaning}), or unset for the default")
     if problems:
         raise ValueError("segki kernel switches: " + "; ".join(problems))

@@ -158,13 +158,16 @@ def test_rms_norm_of_a_strided_view_takes_the_native_kernel():
     assert rel_err(got, R.rms_norm(q, w, 1e-6, True)) < TOL[torch.bfloat16]
 
 
-@pytest.mark.parametrize("variant", ["online", "batched"])  # SEGKI_ATTN
+@pytest.mark.parametrize("variant", ["online", "batched", None])  # SEGKI_ATTN; None: by rows x KV heads
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("hq,hkv,d,s", [(16, 4, 256, 600), (8, 2, 256, 129), (8, 8, 128, 300), (4, 1, 64, 33),
                                         (24, 4, 128, 70)])  # g = 6: the heads past g in an 8-head group
 def test_decode_attention(hq, hkv, d, s, batch, dtype, variant, monkeypatch):
-    monkeypatch.setenv("SEGKI_ATTN", variant)
+    if variant is None:
+        monkeypatch.delenv("SEGKI_ATTN", raising=False)
+    else:
+        monkeypatch.setenv("SEGKI_ATTN", variant)
     q = randn(batch, hq, d, dtype=dtype)
     k, v = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
     lengths = torch.randint(1, s + 1, (batch,), device="cuda")
@@ -304,6 +307,38 @@ def test_gdn_decode_step(shape, batch, dtype):
     assert torch.equal(args["conv_state"], ref_args["conv_state"])  # pure data movement: exact
     assert rel_err(args["recurrent_state"], ref_args["recurrent_state"]) < 1e-3
     assert rel_err(out, want) < TOL[dtype]
+
+
+def misaligned(t):
+    """A contiguous copy of ``t`` starting 2 bytes past an 8-byte boundary (the conv's vector loads cannot apply)."""
+    buf = torch.full((t.numel() + 1,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[1:].view(t.shape)
+    view.copy_(t)
+    assert view.data_ptr() % 8 != 0 and view.is_contiguous()
+    return view
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 32])
+@pytest.mark.parametrize("width", [2, 3, 4, 6])
+def test_gdn_conv_window_of_any_width_and_alignment_is_the_reference_shift_exactly(width, batch, dtype):
+    """The conv state after one token is the old window shifted by one with the new value appended, bit for bit,
+    for the 8-byte path (width 4, aligned) and the scalar one (other widths, or a state 2 bytes off alignment);
+    the recurrence output is the same bits either way and matches the reference."""
+    hk, hv, dk, dv = GDN_SHAPES["odd"]
+    g = gdn_inputs(batch, hk, hv, dk, dv, dtype, width=width)
+    tail = (1e-6, hk, dk, dv)
+    ref = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()}
+    want = R.gdn_decode_step(*ref.values(), *tail)
+    outs = []
+    for state in (g["conv_state"].clone(), misaligned(g["conv_state"])):
+        run = dict(g, conv_state=state, recurrent_state=g["recurrent_state"].clone())
+        poison((batch, hv * dv), (batch, g["qkv"].shape[1]), dtype=dtype)
+        outs.append(torch.ops.segki.gdn_decode_step(*run.values(), *tail))
+        assert torch.equal(state, ref["conv_state"])
+        assert torch.equal(state[..., -1], g["qkv"]) and torch.equal(state[..., :-1], g["conv_state"][..., 1:])
+    assert torch.equal(outs[0], outs[1])
+    assert rel_err(outs[0], want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
