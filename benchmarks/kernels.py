@@ -164,7 +164,8 @@ def bench_sampling(model, batch, temperature, bw):
     vocab = MODELS[model][4]
     logits = rand(batch, vocab, scale=3.0)
     a = (torch.full((batch,), temperature, device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda"),
-         torch.ones(batch, device="cuda"), torch.arange(batch, device="cuda"), torch.zeros(batch, dtype=torch.long, device="cuda"))
+         torch.ones(batch, device="cuda"), torch.arange(batch, device="cuda"),
+         torch.zeros(batch, dtype=torch.long, device="cuda"))
     name = "sample_tokens greedy" if temperature == 0 else f"sample_tokens T={temperature}"
     return row(model, name, batch, nbytes(logits),
                graph_time_us([lambda: torch.ops.segki.sample_tokens(logits, *a)]),

@@ -213,7 +213,8 @@ def test_attention_prologue(shape, batch, dtype):
     k, v = randn(batch, hkv * d, dtype=dtype), randn(batch, hkv * d, dtype=dtype)
     angles = torch.rand(batch, r // 2, device="cuda") * 50
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
-    norms = (randn(d, dtype=dtype, scale=0.3), randn(d, dtype=dtype, scale=0.3)) if unit_offset is not None else (None, None)
+    norms = ((randn(d, dtype=dtype, scale=0.3), randn(d, dtype=dtype, scale=0.3)) if unit_offset is not None
+             else (None, None))
     k_cache, v_cache = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
     positions = torch.randint(0, s, (batch,), device="cuda")
     want_k, want_v = k_cache.clone(), v_cache.clone()
@@ -664,7 +665,8 @@ def test_sample_tokens_match_reference_stream(vocab, temperature, top_k, top_p, 
 
 def test_every_op_replays_inside_a_cuda_graph():
     dtype, b = torch.bfloat16, 4
-    x, wg, wu = randn(b, 256, dtype=dtype), randn(512, 256, dtype=dtype, scale=0.06), randn(512, 256, dtype=dtype, scale=0.06)
+    x = randn(b, 256, dtype=dtype)
+    wg, wu = randn(512, 256, dtype=dtype, scale=0.06), randn(512, 256, dtype=dtype, scale=0.06)
     q, kc, vc = randn(b, 8, 128, dtype=dtype), randn(b, 2, 64, 128, dtype=dtype), randn(b, 2, 64, 128, dtype=dtype)
     lengths = torch.tensor([64, 1, 30, 17], device="cuda")
     logits = randn(b, 5000, dtype=dtype)
