@@ -82,6 +82,7 @@ template <typename T>
 __device__ __forceinline__ float conv_token(T* __restrict__ st, const T* __restrict__ w, const T* __restrict__ bias,
                                             int c, float x, int width) {
   const T* wc = w + (size_t)c * width;
+  float acc = 0.f;
   if (width == 4 && ((reinterpret_cast<uintptr_t>(st) | reinterpret_cast<uintptr_t>(wc)) & 7) == 0) {
     // Qwen3.5's width: the window and the weights as one 8-byte load each, the new window as one store (scalar
     // 2-byte accesses left the standalone conv at ~1 TB/s); the same sums in the same order, so the same bits
@@ -89,23 +90,20 @@ __device__ __forceinline__ float conv_token(T* __restrict__ st, const T* __restr
     *reinterpret_cast<uint2*>(s) = *reinterpret_cast<const uint2*>(st);
     *reinterpret_cast<uint2*>(k) = *reinterpret_cast<const uint2*>(wc);
     const float v[4] = {to_float<T>(s[1]), to_float<T>(s[2]), to_float<T>(s[3]), x};
-    float acc = 0.f;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       s[i] = from_float<T>(v[i]);
       acc += v[i] * to_float<T>(k[i]);
     }
     *reinterpret_cast<uint2*>(st) = *reinterpret_cast<const uint2*>(s);
-    if (bias) acc += to_float<T>(bias[c]);
-    return silu(acc);
-  }
-  float acc = 0.f;
+  } else {
 #pragma unroll
-  for (int i = 0; i < kMaxConvWidth; ++i) {  // unrolled and predicated: no indexed local array
-    if (i < width) {
-      const float v = i + 1 < width ? to_float<T>(st[i + 1]) : x;  // st[i + 1] is read before it is rewritten
-      st[i] = from_float<T>(v);
-      acc += v * to_float<T>(wc[i]);
+    for (int i = 0; i < kMaxConvWidth; ++i) {  // unrolled and predicated: no indexed local array
+      if (i < width) {
+        const float v = i + 1 < width ? to_float<T>(st[i + 1]) : x;  // st[i + 1] is read before it is rewritten
+        st[i] = from_float<T>(v);
+        acc += v * to_float<T>(wc[i]);
+      }
     }
   }
   if (bias) acc += to_float<T>(bias[c]);
