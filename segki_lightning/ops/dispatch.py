@@ -56,12 +56,12 @@ def _gemv_rows() -> tuple[dict[str, int], bool]:
         return dict.fromkeys(GEMV_ROWS, int(raw)), True
     rows = dict(GEMV_ROWS)
     for item in raw.split(","):
-        op, _, n = item.partition(":")
-        if op.strip() not in GEMV_ROWS or not n.strip().isdigit() or int(n) < 1:
+        op, _, n = (part.strip() for part in item.partition(":"))
+        if op not in GEMV_ROWS or not n.isdigit() or int(n) < 1:
             raise ValueError(f"SEGKI_GEMV_MAX_ROWS={raw!r}: expected a positive number of rows, or op:rows pairs "
                              f"separated by commas with op one of {sorted(GEMV_ROWS)} (unset: per-op limits "
                              f"{GEMV_ROWS})")
-        rows[op.strip()] = int(n)
+        rows[op] = int(n)
     return rows, True
 
 
