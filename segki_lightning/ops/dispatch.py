@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ahead, reference
+from . import reference
 from .extension import has_native
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
@@ -161,7 +161,6 @@ def _native(op: str):
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`."""
-    ahead.before(weight)
     if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
@@ -171,7 +170,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
     """See :func:`reference.gated_mlp_front`. Past the native rows: cuBLAS products (one when gate|up are
     packed), then :func:`silu_mul`."""
-    ahead.before(w_gate, w_up)
     if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=native_rows("gated_mlp_front", w_gate, w_up),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
@@ -192,7 +190,6 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
     """See :func:`reference.qkv_proj`. Past the native rows, one cuBLAS product when the three weights are packed
     (and have no biases): the outputs are then column slices of it."""
-    ahead.before(w_q, w_k, w_v)
     if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=native_rows("qkv_proj", w_q, w_k, w_v),
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
@@ -205,7 +202,6 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Te
 def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """See :func:`reference.gdn_in_proj`. Past the native rows, one cuBLAS product when the four weights are
     packed: the outputs are then column slices of it (rows ``sum N_i`` apart)."""
-    ahead.before(w_qkv, w_z, w_b, w_a)
     if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=native_rows("gdn_in_proj", w_qkv, w_z, w_b, w_a),
                 shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
@@ -229,7 +225,6 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
 
 def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> tuple[Tensor, ...]:
     """See :func:`reference.gdn_in_proj_conv`."""
-    ahead.before(w_qkv, w_z, w_b, w_a)
     args = (x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias)
     if fuses_gdn_conv(*args):
         return tuple(_native("gdn_in_proj_conv")(*args))
@@ -286,7 +281,6 @@ def _recurrence_ok(head_k_dim: int, head_v_dim: int, recurrent_state: Tensor) ->
 def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias,
                     norm_weight, norm_eps: float, num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """See :func:`reference.gdn_decode_step`."""
-    ahead.before(recurrent_state)
     args = (qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_state, A_log, dt_bias, norm_weight)
     ok = _recurrence_ok(head_k_dim, head_v_dim, recurrent_state) and conv_state.shape[-1] <= 8
     ok = ok and qkv.dim() == z.dim() == b.dim() == a.dim() == 2
@@ -299,7 +293,6 @@ def gdn_decode_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, recurrent_
 def gdn_recurrent_step(mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight, norm_eps: float,
                        num_k_heads: int, head_k_dim: int, head_v_dim: int) -> Tensor:
     """See :func:`reference.gdn_recurrent_step`."""
-    ahead.before(recurrent_state)
     args = (mixed, z, b, a, recurrent_state, A_log, dt_bias, norm_weight)
     ok = _recurrence_ok(head_k_dim, head_v_dim, recurrent_state) and mixed.dim() == z.dim() == b.dim() == a.dim() == 2
     if eligible("gdn_recurrent_step", mixed, z, b, a, norm_weight, shape_ok=ok, row_strided=4):

@@ -54,11 +54,6 @@ def _attn_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps
     return q.new_empty((b, q.shape[-1] // (2 * d if gated else d), d))
 
 
-@torch.library.register_fake("segki::l2_prefetch")
-def _l2_prefetch(t, max_bytes):
-    return None   # a cache hint: no result
-
-
 @torch.library.register_fake("segki::silu_mul")
 def _silu_mul(gate, up):
     return gate.new_empty(gate.shape)   # contiguous, whatever gate's row stride

@@ -21,8 +21,6 @@ KERNEL_SWITCHES = {
     "SEGKI_GEMV_MAX_ROWS": (re.compile(r"[1-9]\d*|\w+:[1-9]\d*(, *\w+:[1-9]\d*)*"),
                             "one native row limit for every decode GEMV, or op:rows pairs for those ops "
                             "(e.g. gated_mlp_front:32,linear:16)"),
-    "SEGKI_L2_AHEAD": ("<int >= 0>", "MiB of the next weighted op's operands that each decode-step op asks L2 for on "
-                                     "a side branch (0: none)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }

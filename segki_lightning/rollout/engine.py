@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..inject import apply_segment_ki, pack_projections
-from ..ops.ahead import Ahead, ahead_bytes, warm_ahead
 from ..ops.reference import valid_mask
 from .attention import NAME as SEGKI_ATTENTION, attention_implementation, register
 from .batch import RolloutBatch, RolloutStats, left_pad
@@ -111,9 +110,6 @@ class RolloutEngine:
         self.state: _DecodeState | None = None
         self._rope: RopeTable | None = None      # cos/sin per cache position (use_segki; built with the cache)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
-        # L2 warm-up one op ahead on a side branch of each decode step (ops.ahead), per batch bucket
-        self._ahead_bytes = ahead_bytes() if use_segki and self.device.type == "cuda" else 0
-        self._ahead: dict[int, Ahead] = {}
         self.captures = 0          # graphs captured so far (tests and logs read it)
         self.capture_s = 0.0       # seconds spent warming up and capturing
 
@@ -157,7 +153,6 @@ class RolloutEngine:
     def free(self) -> None:
         """Release graphs, cache and decode buffers (they are rebuilt on the next ``generate``)."""
         self._graphs.clear()
-        self._ahead.clear()
         self.prefiller.free()
         self.cache = self.state = None
         if self.device.type == "cuda":
@@ -224,7 +219,6 @@ class RolloutEngine:
             rotary = rotary_module(self.model) if self.use_segki else None
             self._rope = RopeTable(rotary, self.max_seq_len, self.dtype, self.device) if rotary else None
             self._graphs.clear()
-            self._ahead.clear()
 
     def _reset(self, bucket: int, n_rows: int, sampling: SamplingConfig):
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
@@ -287,11 +281,7 @@ class RolloutEngine:
         else:
             kw = dict(attention_mask=valid_mask(cache.lengths + 1, self.max_seq_len, self.dtype))
         rope = self._rope.installed() if self._rope is not None else contextlib.nullcontext()
-        ahead = self._ahead.get(bucket)
-        if ahead is None and self._ahead_bytes:
-            ahead = self._ahead[bucket] = Ahead(self._ahead_bytes)
-        with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None), rope, \
-                warm_ahead(ahead):
+        with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None), rope:
             logits = self.model(input_ids=st.token[:, None], position_ids=cache.lengths[:, None], cache=cache,
                                 use_cache=True, **kw).logits[:, -1]                    # [B, V]
         tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature, st.top_k, st.top_p, st.seed, st.offset)

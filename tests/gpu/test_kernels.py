@@ -719,18 +719,3 @@ def test_dispatch_uses_native_for_eligible_decode_inputs_only():
         assert dispatch.eligible("linear", x, w)
     assert not dispatch.eligible("linear", x.float(), w.float().detach())  # fp32 -> reference
     assert dispatch.backend("linear", torch.bfloat16, "cuda") == "native"
-
-
-@pytest.mark.parametrize("nbytes,offset,cap", [(16, 0, 1 << 20), (4096 + 6, 2, 1 << 20), (40 << 20, 0, 24 << 20),
-                                               (3 << 20, 8, 1 << 30), (48, 10, 0)])
-def test_l2_prefetch_warms_any_range_and_changes_nothing(nbytes, offset, cap):
-    """Any start and size (a misaligned start is rounded up to 16 bytes, sizes cut to whole 16-byte units, a cap
-    below 16 bytes launches nothing), in a captured graph too; the memory is unchanged and the stream ends clean."""
-    buf = torch.randint(0, 256, (nbytes + offset,), dtype=torch.uint8, device="cuda")
-    view = buf[offset:]
-    before = buf.clone()
-    torch.ops.segki.l2_prefetch(view, cap)
-    graph, _ = captured(lambda: torch.ops.segki.l2_prefetch(view, cap))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(buf, before)

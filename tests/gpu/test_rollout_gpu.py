@@ -147,24 +147,3 @@ def test_prefill_graph_replays_the_eager_prefill_exactly_on_live_inputs_and_weig
         graph.prepare([second])
         same(graph(second), eager(second))
     assert graph.captures == 1 and graph.graphs
-
-
-@pytest.mark.parametrize("rows", [1, 3, 16, 32])
-def test_l2_warm_up_ahead_leaves_every_token_and_logprob_unchanged(tmp_path, rows, monkeypatch):
-    """The warm-up's side branch (SEGKI_L2_AHEAD) inside the captured step: the same tokens and log-probs, bit for
-    bit, greedy and sampled, at one row (the fused conv path), a few, the native rows' limit and past it (cuBLAS)."""
-    model = cuda_model(tmp_path, seed=5)
-    monkeypatch.setenv("SEGKI_L2_AHEAD", "8")
-    warm = RolloutEngine(model, max_batch_size=rows, max_seq_len=80, eos_token_id=[])
-    monkeypatch.setenv("SEGKI_L2_AHEAD", "0")
-    cold = RolloutEngine(model, max_batch_size=rows, max_seq_len=80, eos_token_id=[])
-    assert warm._ahead_bytes == 8 << 20 and cold._ahead_bytes == 0
-    ps = prompts([7, 30, 12][:rows], seed=rows)
-    n = max(1, rows // len(ps))
-    for cfg in (SamplingConfig(max_new_tokens=20, temperature=0.0, n=n),
-                SamplingConfig(max_new_tokens=20, temperature=1.0, top_p=0.9, n=n, seed=3)):
-        a, b = warm.generate(ps, cfg), cold.generate(ps, cfg)
-        assert torch.equal(a.completion_ids, b.completion_ids)
-        assert torch.equal(a.logprobs, b.logprobs)
-    (schedule,) = warm._ahead.values()
-    assert schedule.issued > 0 and len(schedule.last) == 5 * 3 + 4   # 3 GDN layers x 5 entries, 1 attention x 4

@@ -45,8 +45,3 @@ def gdn_in_proj(
     """Gated-DeltaNet input projections: ``x [..., K]`` -> ``qkv [..., 2*Hk*Dk + Hv*Dv]``,
     ``z [..., Hv*Dv]``, ``b [..., Hv]``, ``a [..., Hv]``."""
     return F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a)
-
-
-def l2_prefetch(t: Tensor, max_bytes: int) -> None:
-    """Warm the GPU's L2 cache with the first ``max_bytes`` of ``t``'s memory before an op reads it. A hint with no
-    result: nothing to compute here."""
