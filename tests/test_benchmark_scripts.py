@@ -73,20 +73,21 @@ def test_grpo_summary_takes_the_median_rollout_so_one_slow_step_does_not_move_th
         for i, (s, r) in enumerate(zip(steps, rollouts)):
             w.writerow({"step": i, **dict.fromkeys(keys, 1.0), "time/step_s": s, "time/rollout_s": r})
     got = grpo.summarize(tmp_path / "run", warm=0, params=1, devices=1)
-    assert math.isnan(got["prefill_s"]) and math.isnan(got["decode_s"])      # older logs: no engine split
+    assert all(math.isnan(got[f"{part}_s"]) for part in ("setup", "prefill", "decode", "collect"))  # older logs
     split = tmp_path / "split" / "logs" / "metrics.csv"                          # num_iterations=2: every second
     split.parent.mkdir(parents=True)                                             # step rolls out and logs the split
-    parts = [(0.01 * torch.rand(()).item(), 0.5 + 0.01 * torch.rand(()).item()) for _ in range(4)]
+    names = ("setup", "prefill", "decode", "collect")
+    parts = [[0.01 * torch.rand(()).item() + (0.5 if n == "decode" else 0.0) for n in names] for _ in range(4)]
     with open(split, "w", newline="") as f:
-        w = csv.DictWriter(f, ["step", *keys, "time/rollout_prefill_s", "time/rollout_decode_s"])
+        w = csv.DictWriter(f, ["step", *keys, *(f"time/rollout_{n}_s" for n in names)])
         w.writeheader()
         for i in range(8):
-            p, d = parts[i // 2] if i % 2 == 0 else ("", "")
+            values = parts[i // 2] if i % 2 == 0 else [""] * len(names)
             w.writerow({"step": i, **dict.fromkeys(keys, 1.0), "time/rollout_s": 0.6 if i % 2 == 0 else 0.0,
-                        "time/rollout_prefill_s": p, "time/rollout_decode_s": d})
+                        **{f"time/rollout_{n}_s": v for n, v in zip(names, values)}})
     halves = grpo.summarize(tmp_path / "split", warm=0, params=1, devices=1)
-    assert halves["prefill_s"] == round(statistics.median(p for p, _ in parts), 3)
-    assert halves["decode_s"] == round(statistics.median(d for _, d in parts), 3)
+    for j, n in enumerate(names):
+        assert halves[f"{n}_s"] == round(statistics.median(p[j] for p in parts), 4), n
     assert got["step_s"] == round(statistics.median(steps), 3) and got["rollout_s"] == round(statistics.median(rollouts), 3)
     assert got["slowest_step_s"] == round(max(steps), 3)
     assert math.isclose(got["rollout_share"], statistics.median(rollouts) / statistics.median(steps), abs_tol=1e-3)

@@ -136,15 +136,27 @@ def test_packed_rollout_equals_unpacked(tmp_path, rows, family):
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=1e-4, atol=1e-4)
 
 
-def test_the_engine_packs_again_after_the_weights_moved(tmp_path):
+def test_the_engine_packs_again_after_the_weights_moved(tmp_path, monkeypatch):
     """Weights given new storage after the engine was built (as ``model.to()`` does) are packed again by the next
-    rollout; with ``pack_weights=False`` they are left alone."""
+    rollout, and only then: rollouts on unmoved weights do not walk the groups; with ``pack_weights=False`` they are
+    left alone."""
+    from segki_lightning.rollout import engine as engine_module
+
     model = build_model("qwen3_5", tmp_path)
     engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, graph_capture=False, eos_token_id=[])
     assert all(joint_weight(*ws) is not None for ws in projection_groups(model))
+    walks = []
+    monkeypatch.setattr(engine_module, "pack_projections", lambda m: walks.append(m) or pack_projections(m))
+    greedy = SamplingConfig(max_new_tokens=2, temperature=0.0)
+    engine.generate([[3, 4, 5]], greedy)
+    assert len(walks) == 1                     # the first rollout records the packed addresses
+    engine.generate([[3, 4, 5]], greedy)
+    assert len(walks) == 1
     unpack_projections(model)
-    engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, temperature=0.0))
-    assert all(joint_weight(*ws) is not None for ws in projection_groups(model))
+    engine.generate([[3, 4, 5]], greedy)
+    assert len(walks) == 2 and all(joint_weight(*ws) is not None for ws in projection_groups(model))
+    engine.generate([[3, 4, 5]], greedy)
+    assert len(walks) == 2
     engine.pack_weights = False
     unpack_projections(model)
     engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=2, temperature=0.0))

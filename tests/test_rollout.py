@@ -2,6 +2,8 @@
 ``generate``, seeded sampling, EOS handling, log-probs, and clear errors."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -219,3 +221,14 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
     assert {"add_rms_norm", "gated_mlp_front"} <= set(launches), launches
     assert four == eight, "a PyTorch kernel per layer crept into the decode step"
     assert len(four) <= 5, four   # lengths + 1, embedding, two rotary gathers, the output head
+
+
+def test_stats_split_the_call_into_setup_prefill_decode_and_collect(tmp_path):
+    model = build_model("qwen3_5", tmp_path)
+    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, graph_capture=False, eos_token_id=[])
+    t0 = time.perf_counter()
+    s = engine.generate(random_prompts([4, 6]), SamplingConfig(max_new_tokens=5, temperature=0.0, n=2)).stats
+    wall = time.perf_counter() - t0
+    parts = (s.setup_s, s.prefill_s, s.decode_s, s.collect_s)
+    assert all(p > 0 for p in parts) and sum(parts) <= wall
+    assert s.steps == 4 and s.tokens == 4 * 5

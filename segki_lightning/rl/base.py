@@ -254,9 +254,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.log("train/completion_length", s.batch.completion_mask.sum(1).float().mean(), **kw)
         self.log("rollout/tokens_per_s", s.batch.stats.tokens / max(s.rollout_s, 1e-9), prog_bar=True,
                  batch_size=n_prompts, sync_dist=True, reduce_fx="sum")
-        # the engine's own parts of time/rollout_s (GPU drained at each end): the prompts' forward, the decode loop
-        self.log("time/rollout_prefill_s", s.batch.stats.prefill_s, **kw)
-        self.log("time/rollout_decode_s", s.batch.stats.decode_s, **kw)
+        # the engine's parts of time/rollout_s: before the prefill (checks, packing, captures), the prompts' forward
+        # and the decode loop (GPU drained at each end), the batch's assembly after it
+        for part in ("setup", "prefill", "decode", "collect"):
+            self.log(f"time/rollout_{part}_s", getattr(s.batch.stats, f"{part}_s"), **kw)
         every = getattr(self.cfg, "log_completions_every", 0)
         if every and self.global_step % every == 0:
             rows = [dict(step=self.global_step, prompt=p, completion=c, reward=float(r))

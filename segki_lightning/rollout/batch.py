@@ -22,6 +22,8 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 class RolloutStats:
     prefill_s: float = 0.0       # wall seconds of all prefills
     decode_s: float = 0.0        # wall seconds of the decode loop
+    setup_s: float = 0.0         # wall seconds before the prefill: checks, packing, graph captures, buffer resets
+    collect_s: float = 0.0       # wall seconds after the decode loop: the batch's tensors and token count
     tokens: int = 0              # generated tokens (completion_mask.sum())
     steps: int = 0               # decode steps run (<= max_new_tokens - 1)
     path: str = ""               # "graph+native", "eager+reference", ...

@@ -110,6 +110,7 @@ class RolloutEngine:
         self.state: _DecodeState | None = None
         self._rope: RopeTable | None = None      # cos/sin per cache position (use_segki; built with the cache)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
+        self._packed_ptrs: tuple[int, ...] | None = None   # parameter addresses right after the last packing
         self.captures = 0          # graphs captured so far (tests and logs read it)
         self.capture_s = 0.0       # seconds spent warming up and capturing
 
@@ -117,23 +118,23 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig) -> RolloutBatch:
         """Generate ``sampling.n`` completions per prompt; see :class:`RolloutBatch` for the layout."""
+        started = time.perf_counter()
         prompts = self._check_prompts(prompts, sampling)
         n_rows = len(prompts) * sampling.n
         bucket = self._bucket(n_rows)
-        if self.pack_weights:   # a no-op unless something gave the weights new storage since (e.g. ``.to()``)
-            pack_projections(self.model)
+        ptrs = self._weights()
         self._allocate()
         was_training = self.model.training
         self.model.eval()
         try:
             groups = self._prefill_groups(prompts)
             if self.graph_capture:
-                self._ensure_graph(bucket)
-                self.prefiller.prepare([[prompts[i] for i in g] for g in groups])
+                self._ensure_graph(bucket, ptrs)
+                self.prefiller.prepare([[prompts[i] for i in g] for g in groups], ptrs)
             stats = RolloutStats(path=self.path)
             state, cache = self._reset(bucket, n_rows, sampling)
             t0 = self._sync_time()
-            self._prefill(prompts, groups, sampling, state.rows(n_rows), cache)
+            self._prefill(prompts, groups, sampling, state.rows(n_rows), cache, ptrs)
             t1 = self._sync_time()
             steps = 0
             for step in range(1, sampling.max_new_tokens):
@@ -148,7 +149,9 @@ class RolloutEngine:
         finally:
             self.model.train(was_training)
         stats.prefill_s, stats.decode_s, stats.steps = t1 - t0, t2 - t1, steps
-        return self._collect(prompts, sampling, n_rows, stats)
+        batch = self._collect(prompts, sampling, n_rows, stats)
+        stats.setup_s, stats.collect_s = t0 - started, time.perf_counter() - t2
+        return batch
 
     def free(self) -> None:
         """Release graphs, cache and decode buffers (they are rebuilt on the next ``generate``)."""
@@ -209,6 +212,17 @@ class RolloutEngine:
     def _bucket(self, rows: int) -> int:
         return min(pow2_bucket(rows), self.max_batch_size)
 
+    def _weights(self) -> tuple[int, ...]:
+        """The parameters' addresses, read once per call (graphs were captured on them). The projections are packed
+        again only when the addresses moved since the last packing (something gave the weights new storage, e.g.
+        ``.to()``): walking the groups costs ~1-3 ms a call otherwise."""
+        ptrs = parameter_ptrs(self.model)
+        if self.pack_weights and ptrs != self._packed_ptrs:
+            if pack_projections(self.model):
+                ptrs = parameter_ptrs(self.model)
+            self._packed_ptrs = ptrs
+        return ptrs
+
     # ------------------------------------------------------------------------------------------ buffers
     def _allocate(self) -> None:
         if self.cache is None:
@@ -246,13 +260,13 @@ class RolloutEngine:
         return [order[g0:g0 + PREFILL_GROUP] for g0 in range(0, len(order), PREFILL_GROUP)]
 
     def _prefill(self, prompts: list[list[int]], groups: list[list[int]], sampling: SamplingConfig,
-                 st: _DecodeState, cache: StaticHybridCache) -> None:
+                 st: _DecodeState, cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
         """Prefill each group (:class:`~segki_lightning.rollout.prefill.Prefiller`), copy each prompt's state
         into its n rows, then sample every row's first token from its prompt's last logits in one call."""
         n = sampling.n
         first = None                                                                    # [N, V]
         for group in groups:
-            out = self.prefiller([prompts[i] for i in group])
+            out = self.prefiller([prompts[i] for i in group], ptrs)
             index = torch.tensor([[j, i * n + k, out.pads[j], len(prompts[i])]
                                   for j, i in enumerate(group) for k in range(n)]).T.to(self.device)  # [4, g*n]
             src, rows, pads, lengths = index
@@ -287,8 +301,7 @@ class RolloutEngine:
         tok, lp = ops.sample_tokens(logits.contiguous(), st.temperature, st.top_k, st.top_p, st.seed, st.offset)
         self._record(st, tok, lp, lengths=cache.lengths)   # then offset and lengths + 1
 
-    def _ensure_graph(self, bucket: int) -> None:
-        ptrs = parameter_ptrs(self.model)
+    def _ensure_graph(self, bucket: int, ptrs: tuple[int, ...]) -> None:
         held = self._graphs.get(bucket)
         if held is not None and held[1] == ptrs:
             return

@@ -98,11 +98,12 @@ class Prefiller:
             return len(prompts), longest
         return pow2_bucket(len(prompts)), width_bucket(longest)
 
-    def prepare(self, groups: list[list[list[int]]]) -> None:
-        """Capture the graphs these groups need (before timing starts, as the decode graph is)."""
+    def prepare(self, groups: list[list[list[int]]], ptrs: tuple[int, ...] | None = None) -> None:
+        """Capture the graphs these groups need (before timing starts, as the decode graph is); ``ptrs``: the
+        parameters' addresses when the caller has them."""
         if not self.graphs:
             return
-        ptrs = parameter_ptrs(self.model)
+        ptrs = parameter_ptrs(self.model) if ptrs is None else ptrs
         for shape in sorted({self.shape(g) for g in groups}):
             if shape[0] * shape[1] > MAX_GRAPH_TOKENS:
                 continue
@@ -115,14 +116,14 @@ class Prefiller:
                 self.free()
                 return
 
-    def __call__(self, prompts: list[list[int]]) -> Prefilled:
+    def __call__(self, prompts: list[list[int]], ptrs: tuple[int, ...] | None = None) -> Prefilled:
         rows, width = self.shape(prompts)
         ids, mask = left_pad(prompts, self.pad)                                   # [g, P] CPU
         pads = [width - len(p) for p in prompts]
         ids = torch.nn.functional.pad(ids, (width - ids.shape[1], 0, 0, rows - len(prompts)), value=self.pad)
         mask = torch.nn.functional.pad(mask, (width - mask.shape[1], 0, 0, rows - len(prompts)))   # [R, W]
         held = self._held.get((rows, width)) if self.graphs and rows * width <= MAX_GRAPH_TOKENS else None
-        if held is None or held[1] != parameter_ptrs(self.model):
+        if held is None or held[1] != (parameter_ptrs(self.model) if ptrs is None else ptrs):
             out = self._forward(ids.to(self.device), mask.to(self.device))
         else:
             graph, _, (s_ids, s_mask), out = held
