@@ -18,7 +18,6 @@ import argparse
 import collections
 import json
 import runpy
-import statistics
 import sys
 import threading
 import time

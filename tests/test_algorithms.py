@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from segki_lightning.rl import GRPOConfig, Totals, grpo_loss
+from segki_lightning.rl import GRPOConfig, grpo_loss
 from segki_lightning.rl.advantages import high_entropy_mask
 from segki_lightning.rl.buffer import schedule
 from segki_lightning.rl.correction import importance_weights

@@ -52,7 +52,7 @@ def test_trainer_logger_override_and_missing_logger_packages(tmp_path):
     assert not (tmp_path / "logs").exists() and (tmp_path / "checkpoints").exists()
     for name in ("wandb", "mlflow"):
         if importlib.util.find_spec(name) is None:
-            with pytest.raises(RuntimeError, match=f"install its package.*logger=csv"):
+            with pytest.raises(RuntimeError, match="install its package.*logger=csv"):
                 run(small(tmp_path / name, f"logger={name}"))
 
 

@@ -2,7 +2,6 @@
 checkpoints, resume and export."""
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 from pathlib import Path

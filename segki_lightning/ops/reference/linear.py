@@ -5,7 +5,6 @@ accumulate in fp32 (BLAS for bf16/fp16 does); elementwise epilogues run in fp32.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
