@@ -122,7 +122,7 @@ class RolloutEngine:
         prompts = self._check_prompts(prompts, sampling)
         n_rows = len(prompts) * sampling.n
         bucket = self._bucket(n_rows)
-        ptrs = self._weights()
+        ptrs = self._parameter_ptrs()
         self._allocate()
         was_training = self.model.training
         self.model.eval()
@@ -212,7 +212,7 @@ class RolloutEngine:
     def _bucket(self, rows: int) -> int:
         return min(pow2_bucket(rows), self.max_batch_size)
 
-    def _weights(self) -> tuple[int, ...]:
+    def _parameter_ptrs(self) -> tuple[int, ...]:
         """The parameters' addresses, read once per call (graphs were captured on them). The projections are packed
         again only when the addresses moved since the last packing (something gave the weights new storage, e.g.
         ``.to()``): walking the groups costs ~1-3 ms a call otherwise."""

@@ -103,7 +103,7 @@ class Prefiller:
         parameters' addresses when the caller has them."""
         if not self.graphs:
             return
-        ptrs = parameter_ptrs(self.model) if ptrs is None else ptrs
+        ptrs = self._ptrs(ptrs)
         for shape in sorted({self.shape(g) for g in groups}):
             if shape[0] * shape[1] > MAX_GRAPH_TOKENS:
                 continue
@@ -123,7 +123,7 @@ class Prefiller:
         ids = torch.nn.functional.pad(ids, (width - ids.shape[1], 0, 0, rows - len(prompts)), value=self.pad)
         mask = torch.nn.functional.pad(mask, (width - mask.shape[1], 0, 0, rows - len(prompts)))   # [R, W]
         held = self._held.get((rows, width)) if self.graphs and rows * width <= MAX_GRAPH_TOKENS else None
-        if held is None or held[1] != (parameter_ptrs(self.model) if ptrs is None else ptrs):
+        if held is None or held[1] != self._ptrs(ptrs):
             out = self._forward(ids.to(self.device), mask.to(self.device))
         else:
             graph, _, (s_ids, s_mask), out = held
@@ -137,6 +137,10 @@ class Prefiller:
         self._pool = None
 
     # ------------------------------------------------------------------------------------------ internals
+    def _ptrs(self, given: tuple[int, ...] | None) -> tuple[int, ...]:
+        """The parameters' addresses: the caller's when it read them for this call, else read here."""
+        return parameter_ptrs(self.model) if given is None else given
+
     def _forward(self, ids: Tensor, mask: Tensor):
         """The model's forward over a padded group ``ids/mask [R, W]``; keeps only the last position's logits."""
         positions = (mask.cumsum(1) - 1).clamp_min(0)                                   # [R, W]
