@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import qwen35_config, write_results  # noqa: E402
 
+from segki_lightning.rollout import RolloutStats  # noqa: E402
+
 SWITCHES = {"segki": "true", "off": "false"}
 PEAK_FLOPS = 989e12
 PROMPT_TOKENS = 4   # the synthetic task's "a+b="
@@ -163,8 +165,7 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
     train_tok_s = med("time/train_tokens_per_s")
     out = dict(steps=len(rows), steps_measured=len(keep), step_s=round(step, 3), rollout_s=round(rollout, 3),
                slowest_step_s=round(max(float(r["time/step_s"]) for r in keep), 3),
-               **{f"{part}_s": round(med(f"time/rollout_{part}_s"), 4) for part in ("setup", "prefill", "decode",
-                                                                                     "collect")},
+               **{f"{part}_s": round(med(f"time/rollout_{part}_s"), 4) for part in RolloutStats.PARTS},
                train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
                mfu_train=round(6 * params * train_tok_s / devices / PEAK_FLOPS, 3),
@@ -233,7 +234,7 @@ def main() -> None:
               "training part's per GPU (6 x parameters x trained tokens / (step - rollout time) / GPUs / 989 TFLOP/s); peak GiB is "
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
-            "rollout_s", "setup_s", "prefill_s", "decode_s", "collect_s", "train_s",
+            "rollout_s", *(f"{part}_s" for part in RolloutStats.PARTS), "train_s",
             "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "tok_s_vs_off", "tok_s_vs_1gpu",
             "weights_identical", "first_step_s", "completion_len", "clip_ratio_max", "logprob_diff_mean",
             "logprob_diff_max", "kl_sampler_trainer", "error"]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from ..lightning import SegKIRolloutMixin
 from ..lightning.fsdp import is_model_parallel, is_sharded, reshard, shard_frozen, shard_policy, whole
 from ..lightning.mixin import is_conversation
-from ..rollout import RolloutBatch, SamplingConfig
+from ..rollout import RolloutBatch, RolloutStats, SamplingConfig
 from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
 from .logprobs import TokenScores, completion_logprobs
@@ -256,7 +256,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                  batch_size=n_prompts, sync_dist=True, reduce_fx="sum")
         # the engine's parts of time/rollout_s: before the prefill (checks, packing, captures), the prompts' forward
         # and the decode loop (GPU drained at each end), the batch's assembly after it
-        for part in ("setup", "prefill", "decode", "collect"):
+        for part in RolloutStats.PARTS:
             self.log(f"time/rollout_{part}_s", getattr(s.batch.stats, f"{part}_s"), **kw)
         every = getattr(self.cfg, "log_completions_every", 0)
         if every and self.global_step % every == 0:

@@ -20,6 +20,8 @@ def left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass
 class RolloutStats:
+    PARTS = ("setup", "prefill", "decode", "collect")   # the ``<part>_s`` fields, in the order they happen
+
     prefill_s: float = 0.0       # wall seconds of all prefills
     decode_s: float = 0.0        # wall seconds of the decode loop
     setup_s: float = 0.0         # wall seconds before the prefill: checks, packing, graph captures, buffer resets
