@@ -148,3 +148,22 @@ def test_every_switch_the_kernels_read_is_declared_with_the_values_they_compare(
         assert name in KERNEL_SWITCHES, f"{name} is read by the kernels but not declared"
     for name, value in compared:
         assert _accepts(KERNEL_SWITCHES[name][0], value), f"{name}={value} is compared but not accepted"
+
+
+def test_the_norm_folds_where_the_copy_engine_gemv_runs_by_its_rule():
+    """``bulk_gemv_fits``, the rule :func:`dispatch.folds_norm` mirrors from csrc/gemv.cu's bulk_plan, on the
+    decode shapes: every 0.8B projection that follows a norm at 1-4 rows, no 4B one unless SEGKI_GEMV_BULK=1,
+    nothing past 4 rows or under SEGKI_GEMV_BULK=0; and on the CPU, never."""
+    fits = dispatch.bulk_gemv_fits
+    mib = 2**20
+    for rows in (1, 2, 3, 4):
+        assert fits(rows, 1024, 2, 14 * mib, True, None)           # 0.8B gate|up
+        assert fits(rows, 1024, 2, 17 * mib, False, None)          # 0.8B GDN input: over 16 MiB, rows of 2 KB
+        assert not fits(rows, 2560, 2, 94 * mib, True, None)       # 4B gate|up
+        assert not fits(rows, 1024, 2, 14 * mib, True, "0")
+    assert fits(1, 2560, 2, 63 * mib, False, "1")                  # 4B GDN input, forced
+    assert not fits(5, 1024, 2, 14 * mib, True, None)
+    assert not fits(1, 16384, 2, 1 * mib, True, "1")               # a gate|up row pair over one 32 KB slot
+    x, w = torch.randn(1, 64), torch.randn(32, 64)
+    assert not dispatch.folds_norm(x, w, w, gated=True)
+    assert not dispatch.folds_norm(x.bfloat16(), w.bfloat16(), gated=False)

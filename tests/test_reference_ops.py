@@ -69,6 +69,27 @@ def test_projection_family_equals_separate_linears():
         torch.testing.assert_close(got, x @ w.T)
 
 
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+def test_the_projections_norm_prologue_is_the_norm_then_the_projection(unit_offset):
+    """norm_w / norm_eps / norm_unit_offset: the projection of ``rms_norm(x)``, exactly."""
+    x, nw = rand(3, 40), rand(40)
+    xn = R.rms_norm(x, nw, 1e-6, unit_offset)
+    norm = dict(norm_w=nw, norm_eps=1e-6, norm_unit_offset=unit_offset)
+    wg, wu = rand(24, 40), rand(24, 40)
+    assert torch.equal(R.gated_mlp_front(x, wg, wu, **norm), R.gated_mlp_front(xn, wg, wu))
+    wq, bq = [rand(32, 40), rand(16, 40), rand(16, 40)], [rand(32), None, rand(16)]
+    for got, want in zip(R.qkv_proj(x, *wq, *bq, **norm), R.qkv_proj(xn, *wq, *bq)):
+        assert torch.equal(got, want)
+    ws = [rand(n, 40) for n in (48, 16, 4, 4)]
+    for got, want in zip(R.gdn_in_proj(x, *ws, **norm), R.gdn_in_proj(xn, *ws)):
+        assert torch.equal(got, want)
+    state, cw, cb = rand(3, 48, 4), rand(48, 4), rand(48)
+    s1, s2 = state.clone(), state.clone()
+    for got, want in zip(R.gdn_in_proj_conv(x, *ws, s1, cw, cb, **norm), R.gdn_in_proj_conv(xn, *ws, s2, cw, cb)):
+        assert torch.equal(got, want)
+    assert torch.equal(s1, s2)
+
+
 def test_gdn_gates_match_the_module_formula_and_stay_finite():
     a, b = rand(4, 8, scale=30.0), rand(4, 8)
     a_log, dt_bias = rand(8), rand(8)

@@ -223,6 +223,45 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
     assert len(four) <= 5, four   # lengths + 1, embedding, two rotary gathers, the output head
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_norms_inside_the_projections_decode_exactly_like_the_separate_norms(tmp_path, monkeypatch, dtype):
+    """Where the MLP front takes norm2 inside its launch (``ops.folds_norm``, forced here: on a GPU the 0.8B shapes
+    at 1-4 rows), a decode step moves the first residual add into the mixer's output projection and hands both
+    norms to the projections after them, with no norm op of its own. The same roundings in the same order: tokens
+    and log-probs equal the separate norms' exactly, on the GDN and the attention layers."""
+    from segki_lightning import ops
+
+    model = build_model("qwen3_5", tmp_path, dtype=dtype)
+    prompts = random_prompts([5, 9, 3])
+    cfg = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=3)
+    separate = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False).generate(prompts, cfg)
+    calls = []
+    for name in ("add_rms_norm", "rms_norm"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name,
+                            lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    monkeypatch.setattr(ops, "folds_norm", lambda *a, **k: True)
+    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False)
+    folded = engine.generate(prompts, cfg)
+    assert torch.equal(folded.completion_ids, separate.completion_ids)
+    assert torch.equal(folded.logprobs, separate.logprobs)
+    calls.clear()
+    with torch.no_grad():
+        engine._step(4)
+    assert calls == ["rms_norm"], calls   # the final norm only: the layers call none
+
+
+def test_a_hooked_input_norm_keeps_its_own_call_at_decode(tmp_path):
+    """A forward hook on a decoder layer's input norm must see every call, so that layer keeps the norm as its own
+    op at decode (the fold would skip the module)."""
+    model = build_model("qwen3_5", tmp_path)
+    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=32, graph_capture=False)
+    seen = []
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    engine.generate([[3, 4, 5]], SamplingConfig(max_new_tokens=4, temperature=0.0))
+    assert len(seen) == 4 and seen[-1][1] == 1   # the prefill and 3 decode steps
+
+
 def test_stats_split_the_call_into_setup_prefill_decode_and_collect(tmp_path):
     model = build_model("qwen3_5", tmp_path)
     engine = RolloutEngine(model, max_batch_size=4, max_seq_len=24, graph_capture=False, eos_token_id=[])

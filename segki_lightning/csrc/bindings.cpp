@@ -1,17 +1,21 @@
 // Op schemas of the `segki` library. Each kernel family registers its CUDA implementation beside its
 // kernel (TORCH_LIBRARY_IMPL in the .cu file); the pure-PyTorch references live in
-// segki_lightning/ops/reference with the same names and signatures.
+// segki_lightning/ops/reference with the same names and signatures. The projections that follow a norm in a
+// decoder layer take it as an optional prologue (norm_w, norm_eps, norm_unit_offset): their x is normalized first.
 #include <torch/library.h>
 
 TORCH_LIBRARY(segki, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? residual=None) -> Tensor");
-  m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor");
-  m.def("qkv_proj(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v)"
-        " -> (Tensor, Tensor, Tensor)");
-  m.def("gdn_in_proj(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a)"
+  m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up,"
+        " Tensor? norm_w=None, float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor");
+  m.def("qkv_proj(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v,"
+        " Tensor? norm_w=None, float norm_eps=0.0, bool norm_unit_offset=False) -> (Tensor, Tensor, Tensor)");
+  m.def("gdn_in_proj(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a,"
+        " Tensor? norm_w=None, float norm_eps=0.0, bool norm_unit_offset=False)"
         " -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("gdn_in_proj_conv(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a, Tensor(a!) conv_state,"
-        " Tensor conv_weight, Tensor? conv_bias) -> (Tensor, Tensor, Tensor, Tensor)");
+        " Tensor conv_weight, Tensor? conv_bias, Tensor? norm_w=None, float norm_eps=0.0,"
+        " bool norm_unit_offset=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale,"

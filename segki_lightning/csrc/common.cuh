@@ -141,15 +141,45 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
+// N sums over the whole block at once (blockDim.x a multiple of 32, at most 1024), each in block_sum's order, with
+// one pair of barriers; every thread gets every result.
+template <int N>
+__device__ __forceinline__ void block_sums(float (&v)[N], float (*scratch)[32] /* [N][32] */) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int n = 0; n < N; ++n) v[n] = warp_sum(v[n]);
+  __syncthreads();
+  if (lane == 0)
+#pragma unroll
+    for (int n = 0; n < N; ++n) scratch[n][warp] = v[n];
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < N; ++n) v[n] = warp_sum(lane < nwarps ? scratch[n][lane] : 0.f);
+}
+
 // Sum over the whole block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  v = warp_sum(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? scratch[lane] : 0.f;
-  return warp_sum(v);
+  float s[1] = {v};
+  block_sums<1>(s, reinterpret_cast<float(*)[32]>(scratch));
+  return s[0];
+}
+
+// RMSNorm's arithmetic, shared by the norm kernels (norm.cu) and the GEMVs' norm prologue (gemv.cu) so that both
+// give the same bits: a thread's sum of squares over its 8 values, a row's inverse RMS from the block's sum, and
+// one normalized value in either weight form (unit_offset: Qwen3.5's 1 + w, from the live weight).
+__device__ __forceinline__ float add_squares8(const float (&v)[8], float ss) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) ss = fmaf(v[j], v[j], ss);
+  return ss;
+}
+
+__device__ __forceinline__ float rms_inverse(float sum_squares, int width, float eps) {
+  return rsqrtf(sum_squares / width + eps);
+}
+
+template <typename T>
+__device__ __forceinline__ float rms_scaled(float v, float inv, float w, bool unit_offset) {
+  return unit_offset ? v * inv * (1.f + w) : w * round_to<T>(v * inv);
 }
 
 __device__ __forceinline__ float block_max(float v, float* scratch /* [32] */) {
@@ -161,6 +191,10 @@ __device__ __forceinline__ float block_max(float v, float* scratch /* [32] */) {
   v = lane < nwarps ? scratch[lane] : -INFINITY;
   return warp_max(v);
 }
+
+// The native RMSNorm of x's rows (norm.cu): what an op with a norm prologue runs first where its own kernel cannot
+// take the norm.
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
 
 // Map a torch half dtype to its CUDA type and run the body with `T` bound to it.
 #define SEGKI_DISPATCH_HALF(dtype, NAME, ...)                                              \

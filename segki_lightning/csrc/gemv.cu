@@ -51,6 +51,11 @@ struct GemvArgs {
   const T* conv_w;            // [N_0, conv_width]
   const T* conv_b;            // [N_0] or nullptr
   int conv_width;
+  // RMSNorm prologue (copy-engine path only), or norm_w == nullptr: x is normalized on its way into shared
+  // memory, so the norm before the projection needs no launch of its own.
+  const T* norm_w;            // [K]
+  float norm_eps;
+  bool norm_unit_offset;
 };
 
 // Before the PDL wait each block of the first wave warms the first kPrefetchBytes of each of its weight rows'
@@ -584,6 +589,47 @@ __device__ __forceinline__ float lane_value(const float (&acc)[MAXM], int lane) 
   return v;
 }
 
+// x [m, K] into shared memory once (read from L2 per stretch, under the copies' traffic, its latency had made the
+// dot products slower than the weights' arrival: 0.8B o_proj 3.5 us against 3.3 on the register path), through
+// the launch's RMSNorm when it has one. The norm is rms_norm_kernel's arithmetic thread for thread (the same 8
+// columns of every 2048 per thread, the same block reduction, 256 threads both), so the rows hold the bits that
+// kernel would have stored; the weight chunks, requested before the PDL wait, land meanwhile.
+template <typename T, int MAXM>
+__device__ __forceinline__ void stage_x(const GemvArgs<T>& a, T* __restrict__ xs, float (*scratch)[32]) {
+  if (a.norm_w == nullptr) {
+    for (int i = threadIdx.x; i < a.m * a.k / 8; i += kWarps * 32)
+      reinterpret_cast<uint4*>(xs)[i] = ld_cached(a.x + (size_t)i * 8);
+    return;
+  }
+  float ss[MAXM] = {};
+#pragma unroll
+  for (int r = 0; r < MAXM; ++r) {
+    if (r >= a.m) break;
+    for (int i = threadIdx.x * 8; i < a.k; i += kWarps * 32 * 8) {  // pass 1: the rows as they are, and their squares
+      const uint4 u = ld_cached(a.x + (size_t)r * a.k + i);
+      *reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i) = u;
+      float v[8];
+      unpack8<T>(u, v);
+      ss[r] = add_squares8(v, ss[r]);
+    }
+  }
+  block_sums<MAXM>(ss, scratch);
+#pragma unroll
+  for (int r = 0; r < MAXM; ++r) {
+    if (r >= a.m) break;
+    const float inv = rms_inverse(ss[r], a.k, a.norm_eps);
+    for (int i = threadIdx.x * 8; i < a.k; i += kWarps * 32 * 8) {  // pass 2: normalized in place, by the same thread
+      uint4* p = reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i);
+      float v[8], w[8];
+      unpack8<T>(*p, v);
+      unpack8<T>(ld_cached(a.norm_w + i), w);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, w[j], a.norm_unit_offset);
+      *p = pack8<T>(v);
+    }
+  }
+}
+
 template <typename T, int MAXM, Epilogue EPI>
 __global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArgs<T> a, const RowStart rs,
                                                                   const BulkPlan plan) {
@@ -591,6 +637,7 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArg
   extern __shared__ __align__(128) unsigned char bulk_smem[];  // x [m][K], then the ring [slots][NACC][rpc][K]
   __shared__ __align__(8) uint64_t full[kBulkSlots];
   __shared__ float red[kWarps][NACC][MAXM];
+  __shared__ float norm_scratch[MAXM][32];
   T* xs = reinterpret_cast<T*>(bulk_smem);
   T* ring = xs + plan.x_elems;
   const int rpc = plan.rows_per_chunk;
@@ -607,12 +654,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArg
       ahead += ch.rows;
     }
   }
+  if (a.norm_w && threadIdx.x * 8 < a.k)  // a weight: into L1 before the wait
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(a.norm_w + threadIdx.x * 8));
   pdl_launch_dependents();
   pdl_wait();
-  // x into shared memory once: read from L2 per stretch, under the copies' traffic, its latency had made the
-  // dot products slower than the weights' arrival (0.8B o_proj 3.5 us against 3.3 on the register path)
-  for (int i = threadIdx.x; i < a.m * a.k / 8; i += kWarps * 32)
-    reinterpret_cast<uint4*>(xs)[i] = ld_cached(a.x + (size_t)i * 8);
+  stage_x<T, MAXM>(a, xs, norm_scratch);
   __syncthreads();  // x is in place and the barriers are initialized before any thread waits on them
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int item = begin;
@@ -678,23 +724,30 @@ inline int bulk_chunks_per_block() {
 // The copy-engine path where it takes the inputs: an sm_90 device, a weight row (the gate and up rows together)
 // within one slot, x and two slots within kBulkSmemBytes, every weight 16-byte aligned, and the routing rule
 // (SEGKI_GEMV_BULK=1: wherever it can run; =0: nowhere). Returns false otherwise (the register path runs).
+// (`dispatch.folds_norm` mirrors this rule: there the norm before a projection is left to it.)
 template <typename T, Epilogue EPI>
-bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
+bool bulk_plan(const GemvArgs<T>& a, int total_rows, BulkPlan& plan, long& smem) {
   static const bool never = env_is("SEGKI_GEMV_BULK", "0"), always = env_is("SEGKI_GEMV_BULK", "1");
-  if (never || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
+  if (never || a.m > kMaxSmallRows || at::cuda::getCurrentDeviceProperties()->major < 9) return false;
   const long row_bytes = (long)a.k * sizeof(T) * (EPI == Epilogue::SiluMul ? 2 : 1);
   if (!always && (long)total_rows * row_bytes > kBulkMaxWeightBytes && (long)a.k * sizeof(T) > kBulkMaxRowBytes)
     return false;
   if (row_bytes > kBulkChunkBytes) return false;
   for (int i = 0; i < a.nw; ++i)
     if (reinterpret_cast<uintptr_t>(a.w[i]) % 16 != 0) return false;
-  BulkPlan plan;
   plan.items = total_rows;
   plan.rows_per_chunk = (int)(kBulkChunkBytes / row_bytes);
   const long x_bytes = ((long)a.m * a.k * sizeof(T) + 127) / 128 * 128;
   plan.x_elems = (int)(x_bytes / sizeof(T));
-  const long smem = x_bytes + kBulkSlots * plan.rows_per_chunk * row_bytes;
-  if (smem > kBulkSmemBytes) return false;
+  smem = x_bytes + kBulkSlots * plan.rows_per_chunk * row_bytes;
+  return smem <= kBulkSmemBytes;
+}
+
+template <typename T, Epilogue EPI>
+bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
+  BulkPlan plan;
+  long smem = 0;
+  if (!bulk_plan<T, EPI>(a, total_rows, plan, smem)) return false;
   const int rows_per_block = plan.rows_per_chunk * bulk_chunks_per_block();
   const int blocks = (total_rows + rows_per_block - 1) / rows_per_block;
   auto stream = at::cuda::getCurrentCUDAStream();
@@ -769,10 +822,36 @@ struct ConvArgs {  // gdn_in_proj_conv's conv, applied to weight 0's outputs
   const c10::optional<at::Tensor>* bias;
 };
 
+struct NormArgs {  // the RMSNorm applied to x first (the ops' norm_w, norm_eps, norm_unit_offset)
+  const c10::optional<at::Tensor>* weight;
+  double eps;
+  bool unit_offset;
+};
+
+// Whether the copy-engine path takes x [m, K] by these weights, where it can run the norm in its x staging.
+template <typename T>
+bool takes_norm(Epilogue epi, int64_t m, int64_t k, const std::vector<at::Tensor>& ws) {
+  if (m > kMaxSmallRows) return false;
+  GemvArgs<T> probe{};
+  probe.m = (int)m;
+  probe.k = (int)k;
+  probe.nw = (int)ws.size();
+  int rows = 0;
+  for (int i = 0; i < probe.nw; ++i) {
+    probe.w[i] = reinterpret_cast<const T*>(ws[i].data_ptr());
+    rows += (int)ws[i].size(0);
+  }
+  BulkPlan plan;
+  long smem = 0;
+  return epi == Epilogue::SiluMul ? bulk_plan<T, Epilogue::SiluMul>(probe, (int)ws[0].size(0), plan, smem)
+                                  : bulk_plan<T, Epilogue::Plain>(probe, rows, plan, smem);
+}
+
 std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vector<at::Tensor> ws,
                                  std::vector<c10::optional<at::Tensor>> biases, Epilogue epi,
                                  const c10::optional<at::Tensor>& residual = c10::nullopt,
-                                 const ConvArgs* conv = nullptr, bool one_stage_9_to_16 = false) {
+                                 const ConvArgs* conv = nullptr, bool one_stage_9_to_16 = false,
+                                 const NormArgs* norm = nullptr) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   const int64_t k = x.size(-1);
   TORCH_CHECK(k % 8 == 0, op, ": the input width ", k, " must be a multiple of 8 (16-byte loads)");
@@ -813,11 +892,25 @@ std::vector<at::Tensor> run_gemv(const char* op, const at::Tensor& x, std::vecto
     TORCH_CHECK(!conv->bias->has_value() || (*conv->bias)->numel() == ws[0].size(0), op,
                 ": conv_bias must have one value per channel");
   }
+  const bool normed = norm != nullptr && norm->weight->has_value();
+  if (normed) {
+    check_cuda_half(**norm->weight, op, "norm_w", x.scalar_type());
+    TORCH_CHECK((*norm->weight)->dim() == 1 && (*norm->weight)->size(0) == k, op, ": norm_w ",
+                (*norm->weight)->sizes(), " must be [", k, "], one weight per input column");
+  }
   if (m == 0) return outs;
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
+    // the norm in the launch's x staging where the copy-engine path runs, else the norm kernel first
+    const bool prologue = normed && takes_norm<T>(epi, m, k, ws);
+    const at::Tensor xs = normed && !prologue ? rms_norm_rows(x, **norm->weight, norm->eps, norm->unit_offset) : x;
     for (int64_t r0 = 0; r0 < m; r0 += kMaxRowsPerLaunch) {
       GemvArgs<T> a{};
-      a.x = reinterpret_cast<const T*>(x.data_ptr()) + r0 * k;
+      a.x = reinterpret_cast<const T*>(xs.data_ptr()) + r0 * k;
+      if (prologue) {
+        a.norm_w = reinterpret_cast<const T*>((*norm->weight)->data_ptr());
+        a.norm_eps = (float)norm->eps;
+        a.norm_unit_offset = norm->unit_offset;
+      }
       a.m = (int)std::min<int64_t>(kMaxRowsPerLaunch, m - r0);
       a.k = (int)k;
       a.nw = (int)ws.size();
@@ -852,22 +945,35 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   return run_gemv("segki::linear", x, {w}, {b}, Epilogue::Plain, residual)[0];
 }
 
-at::Tensor gated_mlp_front(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu) {
+// The projections that follow a norm in a decoder layer take it as an optional prologue (norm_w, norm_eps,
+// norm_unit_offset): x is normalized first, inside the launch where the copy-engine path runs.
+#define SEGKI_NORM_PARAMS \
+  const c10::optional<at::Tensor>&norm_w, double norm_eps, bool norm_unit_offset
+
+at::Tensor gated_mlp_front(const at::Tensor& x, const at::Tensor& wg, const at::Tensor& wu, SEGKI_NORM_PARAMS) {
   TORCH_CHECK(wg.sizes() == wu.sizes(), "segki::gated_mlp_front: gate ", wg.sizes(), " and up ", wu.sizes(),
               " weights differ in shape");
-  return run_gemv("segki::gated_mlp_front", x, {wg, wu}, {}, Epilogue::SiluMul)[0];
+  const NormArgs norm{&norm_w, norm_eps, norm_unit_offset};
+  return run_gemv("segki::gated_mlp_front", x, {wg, wu}, {}, Epilogue::SiluMul, c10::nullopt, nullptr, false,
+                  &norm)[0];
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qkv_proj(
     const at::Tensor& x, const at::Tensor& wq, const at::Tensor& wk, const at::Tensor& wv,
-    const c10::optional<at::Tensor>& bq, const c10::optional<at::Tensor>& bk, const c10::optional<at::Tensor>& bv) {
-  auto o = run_gemv("segki::qkv_proj", x, {wq, wk, wv}, {bq, bk, bv}, Epilogue::Plain);
+    const c10::optional<at::Tensor>& bq, const c10::optional<at::Tensor>& bk, const c10::optional<at::Tensor>& bv,
+    SEGKI_NORM_PARAMS) {
+  const NormArgs norm{&norm_w, norm_eps, norm_unit_offset};
+  auto o = run_gemv("segki::qkv_proj", x, {wq, wk, wv}, {bq, bk, bv}, Epilogue::Plain, c10::nullopt, nullptr, false,
+                    &norm);
   return {o[0], o[1], o[2]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj(
-    const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa) {
-  auto o = run_gemv("segki::gdn_in_proj", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, nullptr, true);
+    const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa,
+    SEGKI_NORM_PARAMS) {
+  const NormArgs norm{&norm_w, norm_eps, norm_unit_offset};
+  auto o = run_gemv("segki::gdn_in_proj", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, nullptr, true,
+                    &norm);
   return {o[0], o[1], o[2], o[3]};
 }
 
@@ -875,11 +981,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj(
 // and shifts conv_state in place -- one launch instead of two, and q|k|v never goes through memory unconvolved.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_in_proj_conv(
     const at::Tensor& x, const at::Tensor& wqkv, const at::Tensor& wz, const at::Tensor& wb, const at::Tensor& wa,
-    at::Tensor& conv_state, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias) {
+    at::Tensor& conv_state, const at::Tensor& conv_weight, const c10::optional<at::Tensor>& conv_bias,
+    SEGKI_NORM_PARAMS) {
   const ConvArgs conv{&conv_state, &conv_weight, &conv_bias};
-  auto o = run_gemv("segki::gdn_in_proj_conv", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, &conv, true);
+  const NormArgs norm{&norm_w, norm_eps, norm_unit_offset};
+  auto o = run_gemv("segki::gdn_in_proj_conv", x, {wqkv, wz, wb, wa}, {}, Epilogue::Plain, c10::nullopt, &conv, true,
+                    &norm);
   return {o[0], o[1], o[2], o[3]};
 }
+#undef SEGKI_NORM_PARAMS
 
 // ---- SiLU(gate) * up for batches beyond the GEMV range, whose products come from cuBLAS (one over the packed
 // gate|up weights, so gate and up are column slices of it, or two): one launch instead of the five (two casts,

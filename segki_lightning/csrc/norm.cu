@@ -34,13 +34,12 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
       for (int j = 0; j < 8; ++j) v[j] = round_to<T>(r[j] + v[j]);
       *reinterpret_cast<uint4*>(new_res + row * h + i) = pack8<T>(v);
     }
+    ss = add_squares8(v, ss);
+    if (i == i0)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      ss += v[j] * v[j];
-      if (i == i0) v0[j] = v[j];
-    }
+      for (int j = 0; j < 8; ++j) v0[j] = v[j];
   }
-  const float inv = rsqrtf(block_sum(ss, scratch) / h + eps);
+  const float inv = rms_inverse(block_sum(ss, scratch), h, eps);
   const T* src = ADD ? new_res + row * h : xr;
   for (int i = i0; i < h; i += kThreads * 8) {  // pass 2: normalize and scale
     float v[8], wf[8];
@@ -53,8 +52,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
       unpack8<T>(ld_cached(w + i), wf);
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      v[j] = unit_offset ? v[j] * inv * (1.f + wf[j]) : wf[j] * round_to<T>(v[j] * inv);
+    for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, wf[j], unit_offset);
     *reinterpret_cast<uint4*>(out + row * h + i) = pack8<T>(v);
   }
 }
@@ -101,6 +99,10 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 }
 
 }  // namespace
+
+at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
+  return rms_norm(x, w, eps, unit_offset);
+}
 
 TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("rms_norm", &rms_norm);

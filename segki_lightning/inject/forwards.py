@@ -39,11 +39,21 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     return ops.rms_norm(x, self.weight, s.eps, s.unit_offset)
 
 
+def norm_prologue(norm: nn.Module | None) -> dict[str, Any]:
+    """An injected RMSNorm as the norm prologue of the projection after it (``norm_w``, ``norm_eps``,
+    ``norm_unit_offset``: the ops normalize x first, inside their own launch where they can); {} for none."""
+    if norm is None:
+        return {}
+    s: NormSpec = spec(norm)
+    return dict(norm_w=norm.weight, norm_eps=s.eps, norm_unit_offset=s.unit_offset)
+
+
 # ------------------------------------------------------------------------------------------------- MLP
-def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
+def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None, norm: nn.Module | None = None
+                      ) -> Tensor:
     """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (the decoder layer's residual add,
-    folded into the down projection)."""
-    h = ops.gated_mlp_front(x, self.gate_proj.weight, self.up_proj.weight)   # [..., I]
+    folded into the down projection); with ``norm`` (an injected RMSNorm), of ``norm(x)``."""
+    h = ops.gated_mlp_front(x, self.gate_proj.weight, self.up_proj.weight, **norm_prologue(norm))   # [..., I]
     return ops.linear(h, self.down_proj.weight, None, residual)               # [..., H]
 
 
@@ -110,20 +120,31 @@ class AttentionSpec:
 def attention_forward(self: nn.Module, *args: Any, **kwargs: Any):
     """The module's own signature (bound against the original forward): a one-token step on the engine's
     cache runs the fused decode; everything else (prefill, training, transformers caches) the original."""
+    step = _attention_decode_call(self, args, kwargs)
+    return (step(), None) if step is not None else spec(self).original_forward(*args, **kwargs)
+
+
+def _attention_decode_call(self: nn.Module, args: tuple, kwargs: dict) -> functools.partial | None:
+    """The fused decode of this call, ready to run (see :func:`_attention_decode` for its keywords), when the
+    call is a one-token step on the engine's cache; else None."""
     s: AttentionSpec = spec(self)
     x, cache, rope_tables = s.inputs(args, kwargs)
     if hasattr(cache, "segki_attention_state") and x.shape[1] == 1 and rope_tables is not None:
-        return _attention_decode(self, s, x, rope_tables, *cache.segki_attention_state(self.layer_idx)), None
-    return s.original_forward(*args, **kwargs)
+        return functools.partial(_attention_decode, self, s, x, rope_tables,
+                                 *cache.segki_attention_state(self.layer_idx))
+    return None
 
 
 def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables: tuple[Tensor, Tensor],
-                      k_cache: Tensor, v_cache: Tensor, positions: Tensor, lengths: Tensor) -> Tensor:
+                      k_cache: Tensor, v_cache: Tensor, positions: Tensor, lengths: Tensor,
+                      norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """``x [B, 1, H]`` -> ``[B, 1, H]``; the new key/value land in the caches at ``positions``, attention
-    reads ``[0, lengths[b])``."""
+    reads ``[0, lengths[b])``. ``norm``: an injected RMSNorm applied to x first, in the QKV projection;
+    ``residual [B, 1, H]``: added in the output projection."""
     bsz, d = x.shape[0], s.head_dim
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
-    q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias)  # [B, Hq*D(*2)] ...
+    q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias,
+                           **norm_prologue(norm))                                              # [B, Hq*D(*2)] ...
     cos, sin = (t.expand(bsz, 1, t.shape[-1]).reshape(bsz, -1) for t in rope_tables)             # [B, R]
     q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
@@ -131,7 +152,8 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
                                    s.gated)                                                       # [B, Hq, D]
     gate = q.view(bsz, s.num_heads, 2 * d)[..., d:] if s.gated else None                         # [B, Hq, D]
     out = ops.decode_attention(query, k_cache, v_cache, lengths, s.scaling, gate)                 # [B, Hq, D]
-    return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias).view(bsz, 1, -1)
+    res = residual[:, 0] if residual is not None else None
+    return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias, res).view(bsz, 1, -1)
 
 
 # ------------------------------------------------------------------------------------ Gated DeltaNet
@@ -172,8 +194,9 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
                 **kwargs: Any) -> Tensor:
     s: GDNSpec = spec(self)
     cache = kwargs.pop("cache_params", cache)
-    if cache is not None and hasattr(cache, "segki_gdn_states") and hidden_states.shape[1] == 1:
-        return _gdn_decode(self, s, hidden_states, *cache.segki_gdn_states(self.layer_idx))
+    step = _gdn_decode_call(self, hidden_states, cache)
+    if step is not None:
+        return step()
     if cache is not None:  # a transformers cache: its bookkeeping is the model's own code's business
         return s.original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     x = hidden_states
@@ -196,22 +219,33 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
     return ops.linear(core.reshape(bsz, t, -1), self.out_proj.weight)
 
 
-def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor) -> Tensor:
+def _gdn_decode_call(self: nn.Module, x: Tensor, cache: Any) -> functools.partial | None:
+    """The fused decode of this call, ready to run (see :func:`_gdn_decode` for its keywords), when it is a
+    one-token step on the engine's cache; else None."""
+    if cache is not None and hasattr(cache, "segki_gdn_states") and x.shape[1] == 1:
+        return functools.partial(_gdn_decode, self, spec(self), x, *cache.segki_gdn_states(self.layer_idx))
+    return None
+
+
+def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor,
+                norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """One token per row against a static cache's states (updated in place): the fused decode step. Where
     :func:`ops.fuses_gdn_conv` says so (one row) the conv runs in the input projection's epilogue (two launches
-    before ``out_proj``), otherwise after the projection, beside the recurrence."""
-    bsz, h = x.shape[0], x[:, 0]                                                    # h [B, K]
+    before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
+    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``."""
+    bsz, h, pro = x.shape[0], x[:, 0], norm_prologue(norm)                         # h [B, K]
     w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
     tail = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
             s.head_v_dim)
     if ops.fuses_gdn_conv(h, *w, *conv):
-        mixed, z, b, a = ops.gdn_in_proj_conv(h, *w, *conv)                         # [B, C] [B, Hv*Dv] [B, Hv] x2
+        mixed, z, b, a = ops.gdn_in_proj_conv(h, *w, *conv, **pro)                  # [B, C] [B, Hv*Dv] [B, Hv] x2
         core = ops.gdn_recurrent_step(mixed, z, b, a, *tail)                       # [B, Hv*Dv]
     else:
-        qkv, z, b, a = ops.gdn_in_proj(h, *w)
+        qkv, z, b, a = ops.gdn_in_proj(h, *w, **pro)
         core = ops.gdn_decode_step(qkv, z, b, a, *conv, *tail)
-    return ops.linear(core, self.out_proj.weight).view(bsz, 1, -1)
+    res = residual[:, 0] if residual is not None else None
+    return ops.linear(core, self.out_proj.weight, None, res).view(bsz, 1, -1)
 
 
 # ------------------------------------------------------------------------------------- decoder layer
@@ -249,13 +283,53 @@ def _decoder_layer(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs:
     mixer_kwargs.pop(next(iter(s.signature.parameters)))  # the hidden states themselves
     if s.mixer_params is not None:
         mixer_kwargs = {k: v for k, v in mixer_kwargs.items() if k in s.mixer_params}
+    step = _mixer_decode_call(self, s, hidden_states, mixer_kwargs)
+    if step is not None:
+        return _decode_layer(self, s, hidden_states, step)
     out = getattr(self, s.mixer)(self.input_layernorm(hidden_states), **mixer_kwargs)
     if isinstance(out, tuple):
         out = out[0]
+    return _mlp_half(self, s, out, hidden_states)
+
+
+def _mlp_half(self: nn.Module, s: LayerSpec, out: Tensor, hidden_states: Tensor) -> Tensor:
+    """``h + mlp(norm2(h))`` with ``h = hidden_states + out``: the first residual add fused with norm2, the
+    second in the down projection when the MLP is injected."""
     normed, residual = ops.add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
                                         s.post_norm.eps, s.post_norm.unit_offset)
+    if _plain(self.mlp, gated_mlp_forward):
+        return gated_mlp_forward(self.mlp, normed, residual)  # the residual add rides on the down projection
+    return residual + self.mlp(normed)
+
+
+def _plain(module: nn.Module, forward: Any) -> bool:
+    """``module`` runs the injected ``forward`` and has no hooks that would see its inputs."""
+    hooked = module._forward_hooks or module._forward_pre_hooks
+    return getattr(module.forward, "__func__", None) is forward and not hooked
+
+
+def _mixer_decode_call(self: nn.Module, s: LayerSpec, x: Tensor, mixer_kwargs: dict) -> functools.partial | None:
+    """The mixer's fused decode of this call, when it is an engine decode step through an injected mixer and
+    input norm (none hooked): the layer then runs the norm inside the mixer's input projection."""
+    mixer = getattr(self, s.mixer)
+    if not _plain(self.input_layernorm, rms_norm_forward) or mixer._forward_hooks or mixer._forward_pre_hooks:
+        return None
+    forward = getattr(mixer.forward, "__func__", None)
+    if forward is attention_forward:
+        return _attention_decode_call(mixer, (x,), mixer_kwargs)
+    if forward is gdn_forward:
+        return _gdn_decode_call(mixer, x, mixer_kwargs.get("cache_params", mixer_kwargs.get("cache")))
+    return None
+
+
+def _decode_layer(self: nn.Module, s: LayerSpec, x: Tensor, mixer_step: functools.partial) -> Tensor:
+    """A decode step of the layer, ``x [B, 1, H]``: norm1 inside the mixer's input projection. Where the MLP
+    front takes norm2 inside its launch too (:func:`ops.folds_norm`: the 0.8B shapes at 1-4 rows), the first
+    residual add moves into the mixer's output projection, so that no launch is left between the projections;
+    elsewhere norm2 stays fused with that add. The same roundings either way (the projection rounded, then the
+    sum rounded)."""
     mlp = self.mlp
-    hooked = mlp._forward_hooks or mlp._forward_pre_hooks
-    if getattr(mlp.forward, "__func__", None) is gated_mlp_forward and not hooked:
-        return gated_mlp_forward(mlp, normed, residual)  # the residual add rides on the down projection
-    return residual + mlp(normed)
+    if _plain(mlp, gated_mlp_forward) and ops.folds_norm(x, mlp.gate_proj.weight, mlp.up_proj.weight, gated=True):
+        h = mixer_step(norm=self.input_layernorm, residual=x)                      # [B, 1, H] = x + mixer(norm1(x))
+        return gated_mlp_forward(mlp, h, h, norm=self.post_attention_layernorm)
+    return _mlp_half(self, s, mixer_step(norm=self.input_layernorm), x)

@@ -43,6 +43,13 @@ LARGE_WEIGHT_ROWS = 1
 # benchmarks/results/joint/). The 0.8B shapes (11-17 MB) stay native: with every projection on cuBLAS past 4
 # rows its decode lost 3-10 %.
 LARGE_FUSED_BYTES = 32 * 2**20
+# The copy-engine GEMV (1-4 rows; csrc/gemv.cu: bulk_plan) stages x in shared memory, so the RMSNorm before a
+# projection can run there: a block reduction while the weights' copies land, instead of a launch of its own. Its
+# rule, mirrored by folds_norm: weights of at most 16 MiB or rows of at most 2 KB, a weight row (gate and up rows
+# together) within a 32 KB slot, x and two slots within 108 KB of shared memory, 16-byte aligned weights, sm_90.
+BULK_ROWS, BULK_MAX_WEIGHT_BYTES, BULK_MAX_ROW_BYTES = 4, 16 * 2**20, 2048
+BULK_CHUNK_BYTES, BULK_SMEM_BYTES = 32 * 1024, 108 * 1024
+FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as their own kernels (for comparisons)
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -149,6 +156,42 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
     return list(y.split([t.shape[0] for t in weights], dim=-1))
 
 
+def folds_norm(x: Tensor, *weights: Tensor, gated: bool = False) -> bool:
+    """Whether the native projection of ``x [..., K]`` by ``weights`` runs an RMSNorm of x inside its own launch
+    (the copy-engine GEMV's x staging; ``gated``: the SiLU-gated front, whose gate and up rows stream together).
+    Elsewhere the projections' norm prologue runs as the norm kernel first: the same bits, one launch more."""
+    if not FOLD_NORM or x.device.type != "cuda" or x.dtype not in NATIVE_DTYPES or x.shape[-1] == 0:
+        return False
+    size = x.element_size()
+    fits = bulk_gemv_fits(x.numel() // x.shape[-1], x.shape[-1], size, sum(w.numel() for w in weights) * size, gated,
+                          os.environ.get("SEGKI_GEMV_BULK"))
+    return (fits and all(w.data_ptr() % 16 == 0 for w in weights)
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def bulk_gemv_fits(rows: int, k: int, elem_size: int, weight_bytes: int, gated: bool, setting: str | None) -> bool:
+    """The copy-engine GEMV's size rule for ``rows`` of x by weights of ``weight_bytes`` (``setting``: the
+    ``SEGKI_GEMV_BULK`` switch)."""
+    row_bytes = k * elem_size * (2 if gated else 1)
+    if setting == "0" or not 1 <= rows <= BULK_ROWS or row_bytes > BULK_CHUNK_BYTES:
+        return False
+    if setting != "1" and weight_bytes > BULK_MAX_WEIGHT_BYTES and k * elem_size > BULK_MAX_ROW_BYTES:
+        return False
+    x_bytes = -(-rows * k * elem_size // 128) * 128
+    return x_bytes + 2 * (BULK_CHUNK_BYTES // row_bytes) * row_bytes <= BULK_SMEM_BYTES
+
+
+def _takes_norm(x: Tensor, norm_w: Tensor | None, weights: tuple[Tensor, ...], gated: bool = False) -> bool:
+    """Whether a native projection that is eligible anyway should be handed the norm prologue: there is none, or
+    it runs inside the launch (:func:`folds_norm`) on a weight of x's width."""
+    return norm_w is None or (norm_w.shape == (x.shape[-1],) and folds_norm(x, *weights, gated=gated))
+
+
+def _norm_first(x: Tensor, norm_w: Tensor | None, norm_eps: float, norm_unit_offset: bool) -> Tensor:
+    """x after the projection's norm prologue, as its own op (:func:`rms_norm`): where no launch takes it."""
+    return x if norm_w is None else rms_norm(x, norm_w, norm_eps, norm_unit_offset)
+
+
 def backend(op: str, dtype: torch.dtype, device: torch.device | str) -> str:
     """``"native"`` or ``"reference"``: what ``op`` uses for decode-time inputs of this dtype/device."""
     native = torch.device(device).type == "cuda" and dtype in NATIVE_DTYPES and has_native(op)
@@ -167,11 +210,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     return reference.linear(x, weight, bias, residual)
 
 
-def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
-    """See :func:`reference.gated_mlp_front`. Past the native rows: cuBLAS products (one when gate|up are
-    packed), then :func:`silu_mul`."""
-    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=native_rows("gated_mlp_front", w_gate, w_up),
-                shape_ok=x.shape[-1] % 8 == 0):
+def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
+                    norm_unit_offset: bool = False) -> Tensor:
+    """See :func:`reference.gated_mlp_front`. The norm prologue inside the native launch where it runs there
+    (:func:`folds_norm`), else first. Past the native rows: cuBLAS products (one when gate|up are packed), then
+    :func:`silu_mul`."""
+    rows = native_rows("gated_mlp_front", w_gate, w_up)
+    if eligible("gated_mlp_front", x, w_gate, w_up, norm_w, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0) and \
+            _takes_norm(x, norm_w, (w_gate, w_up), gated=True):
+        return _native("gated_mlp_front")(x, w_gate, w_up, norm_w, norm_eps, norm_unit_offset)
+    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
+    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0):
         return _native("gated_mlp_front")(x, w_gate, w_up)
     parts = _joint_product(x, (w_gate, w_up))
     if parts is not None:
@@ -187,11 +236,17 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return reference.silu_mul(gate, up)
 
 
-def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Tensor, Tensor]:
-    """See :func:`reference.qkv_proj`. Past the native rows, one cuBLAS product when the three weights are packed
-    (and have no biases): the outputs are then column slices of it."""
-    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=native_rows("qkv_proj", w_q, w_k, w_v),
-                shape_ok=x.shape[-1] % 8 == 0):
+def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_eps: float = 0.0,
+             norm_unit_offset: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """See :func:`reference.qkv_proj`; the norm prologue as in :func:`gated_mlp_front`. Past the native rows, one
+    cuBLAS product when the three weights are packed (and have no biases): the outputs are then column slices of
+    it."""
+    rows, ok = native_rows("qkv_proj", w_q, w_k, w_v), x.shape[-1] % 8 == 0
+    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, norm_w, max_rows=rows, shape_ok=ok) and \
+            _takes_norm(x, norm_w, (w_q, w_k, w_v)):
+        return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v, norm_w, norm_eps, norm_unit_offset))
+    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
+    if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, max_rows=rows, shape_ok=ok):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v))
     parts = _joint_product(x, (w_q, w_k, w_v)) if b_q is None and b_k is None and b_v is None else None
     if parts is not None:
@@ -199,12 +254,18 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> tuple[Tensor, Te
     return reference.qkv_proj(x, w_q, w_k, w_v, b_q, b_k, b_v)
 
 
-def gdn_in_proj(x, w_qkv, w_z, w_b, w_a) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """See :func:`reference.gdn_in_proj`. Past the native rows, one cuBLAS product when the four weights are
-    packed: the outputs are then column slices of it (rows ``sum N_i`` apart)."""
-    if eligible("gdn_in_proj", x, w_qkv, w_z, w_b, w_a, max_rows=native_rows("gdn_in_proj", w_qkv, w_z, w_b, w_a),
-                shape_ok=x.shape[-1] % 8 == 0):
-        return tuple(_native("gdn_in_proj")(x, w_qkv, w_z, w_b, w_a))
+def gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w=None, norm_eps: float = 0.0,
+                norm_unit_offset: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """See :func:`reference.gdn_in_proj`; the norm prologue as in :func:`gated_mlp_front`. Past the native rows,
+    one cuBLAS product when the four weights are packed: the outputs are then column slices of it (rows ``sum N_i``
+    apart)."""
+    ws = (w_qkv, w_z, w_b, w_a)
+    rows, ok = native_rows("gdn_in_proj", *ws), x.shape[-1] % 8 == 0
+    if eligible("gdn_in_proj", x, *ws, norm_w, max_rows=rows, shape_ok=ok) and _takes_norm(x, norm_w, ws):
+        return tuple(_native("gdn_in_proj")(x, *ws, norm_w, norm_eps, norm_unit_offset))
+    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
+    if eligible("gdn_in_proj", x, *ws, max_rows=rows, shape_ok=ok):
+        return tuple(_native("gdn_in_proj")(x, *ws))
     parts = _joint_product(x, (w_qkv, w_z, w_b, w_a))
     if parts is not None:
         return tuple(p.unflatten(0, x.shape[:-1]) for p in parts)
@@ -223,12 +284,17 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 
 
-def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> tuple[Tensor, ...]:
-    """See :func:`reference.gdn_in_proj_conv`."""
-    args = (x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias)
-    if fuses_gdn_conv(*args):
-        return tuple(_native("gdn_in_proj_conv")(*args))
-    return reference.gdn_in_proj_conv(*args)
+def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias, norm_w=None,
+                     norm_eps: float = 0.0, norm_unit_offset: bool = False) -> tuple[Tensor, ...]:
+    """See :func:`reference.gdn_in_proj_conv`; the norm prologue as in :func:`gated_mlp_front`."""
+    ws, conv = (w_qkv, w_z, w_b, w_a), (conv_state, conv_weight, conv_bias)
+    if fuses_gdn_conv(x, *ws, *conv) and _takes_norm(x, norm_w, ws) and (
+            norm_w is None or eligible("gdn_in_proj_conv", norm_w, x)):
+        return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv, norm_w, norm_eps, norm_unit_offset))
+    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
+    if fuses_gdn_conv(x, *ws, *conv):
+        return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv))
+    return reference.gdn_in_proj_conv(x, *ws, *conv)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:

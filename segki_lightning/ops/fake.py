@@ -14,22 +14,23 @@ def _linear(x, w, b, residual=None):
 
 
 @torch.library.register_fake("segki::gated_mlp_front")
-def _gated(x, wg, wu):
+def _gated(x, wg, wu, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
     return _out(x, wg.shape[0])
 
 
 @torch.library.register_fake("segki::qkv_proj")
-def _qkv(x, wq, wk, wv, bq, bk, bv):
+def _qkv(x, wq, wk, wv, bq, bk, bv, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
     return _out(x, wq.shape[0]), _out(x, wk.shape[0]), _out(x, wv.shape[0])
 
 
 @torch.library.register_fake("segki::gdn_in_proj")
-def _gdn_in(x, wqkv, wz, wb, wa):
+def _gdn_in(x, wqkv, wz, wb, wa, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
     return tuple(_out(x, w.shape[0]) for w in (wqkv, wz, wb, wa))
 
 
 @torch.library.register_fake("segki::gdn_in_proj_conv")
-def _gdn_in_conv(x, wqkv, wz, wb, wa, conv_state, conv_weight, conv_bias):
+def _gdn_in_conv(x, wqkv, wz, wb, wa, conv_state, conv_weight, conv_bias, norm_w=None, norm_eps=0.0,
+                 norm_unit_offset=False):
     return tuple(_out(x, w.shape[0]) for w in (wqkv, wz, wb, wa))
 
 

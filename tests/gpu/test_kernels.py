@@ -568,6 +568,84 @@ def test_the_copy_engine_gemv_gives_the_register_path_bits(tmp_path, monkeypatch
     assert_same_bits_under(tmp_path, cases, "SEGKI_GEMV_BULK_CHUNKS", ("3", "1"))
 
 
+# (name, K, [N_i]): where the copy-engine GEMV takes the norm into its x staging (0.8B shapes, an odd width, a
+# width of two 2048-column stretches per thread), and where the op runs the norm kernel first (4B weights)
+NORM_SHAPES = {name: PROJ_SHAPES[name] for name in ("08b_gate_up", "08b_gdn_in", "08b_qkv", "odd", "4b_gdn_in")}
+NORM_SHAPES["k2560_small"] = (2560, [1024, 256, 16, 16])
+
+
+def _projection(ws, x, norm=()):
+    """The projection family op for these weights (2: gated front, 6: q|k|v and their biases, 4: GDN input), its
+    outputs as a list."""
+    ops = torch.ops.segki
+    if len(ws) == 2:
+        return [ops.gated_mlp_front(x, *ws, *norm)]
+    if len(ws) == 6:
+        return list(ops.qkv_proj(x, *ws, *norm))
+    return list(ops.gdn_in_proj(x, *ws, *norm))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("shape", list(NORM_SHAPES))
+def test_the_norm_prologue_gives_the_norm_kernels_bits(shape, batch, unit_offset, dtype):
+    """A projection given the RMSNorm before it (norm_w, norm_eps, norm_unit_offset) equals the native norm
+    kernel followed by the projection, bit for bit: inside the copy-engine GEMV's x staging (1-4 rows on the
+    small weights) the norm is that kernel's arithmetic thread for thread; elsewhere (7 rows, 4B weights) the op
+    runs the norm kernel first. Also within the dtype's tolerance of the fp32 reference, outputs poisoned."""
+    k, ns = NORM_SHAPES[shape]
+    x, nw = randn(batch, k, dtype=dtype, scale=3.0), randn(k, dtype=dtype, scale=0.3)
+    ws = [randn(n, k, dtype=dtype, scale=k**-0.5) for n in ns]
+    if len(ns) == 3:
+        ws += [randn(n, dtype=dtype) for n in ns]
+    norm = (nw, 1e-6, unit_offset)
+    poison(*[(batch, n) for n in ns], dtype=dtype)
+    got = _projection(ws, x, norm)
+    want = _projection(ws, torch.ops.segki.rms_norm(x, *norm))
+    ref_x = R.rms_norm(x.float(), nw.float(), 1e-6, unit_offset)
+    ref = {2: R.gated_mlp_front, 3: R.qkv_proj, 6: R.qkv_proj, 4: R.gdn_in_proj}[len(ws)](ref_x, *f32(*ws))
+    ref = list(ref) if isinstance(ref, tuple) else [ref]
+    for g, w, r in zip(got, want, ref):
+        assert g.dtype == dtype and torch.equal(g, w)
+        assert rel_err(g, r) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["08b_gdn_in", "odd", "4b_gdn_in"])
+def test_the_norm_prologue_of_the_gdn_projection_with_its_conv_gives_the_unfused_bits(shape, dtype):
+    """gdn_in_proj_conv with the norm prologue (one row) equals the norm kernel then gdn_in_proj_conv exactly, in
+    every output and in the shifted conv state."""
+    k, ns = NORM_SHAPES[shape]
+    x, nw = randn(1, k, dtype=dtype, scale=3.0), randn(k, dtype=dtype, scale=0.3)
+    ws = [randn(n, k, dtype=dtype, scale=k**-0.5) for n in ns]
+    state, cw, cb = randn(1, ns[0], 4, dtype=dtype), randn(ns[0], 4, dtype=dtype), randn(ns[0], dtype=dtype)
+    fused_state, unfused_state = state.clone(), state.clone()
+    poison(*[(1, n) for n in ns], dtype=dtype)
+    got = torch.ops.segki.gdn_in_proj_conv(x, *ws, fused_state, cw, cb, nw, 1e-6, True)
+    normed = torch.ops.segki.rms_norm(x, nw, 1e-6, True)
+    want = torch.ops.segki.gdn_in_proj_conv(normed, *ws, unfused_state, cw, cb)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert torch.equal(fused_state, unfused_state) and not torch.equal(fused_state, state)
+
+
+def test_dispatch_hands_the_norm_to_the_projection_only_where_its_launch_runs_it(monkeypatch):
+    """``ops.gated_mlp_front(..., norm_w=...)``: one native call with the norm at one row on the 0.8B shape; the
+    native norm, then the projection without it, on the 4B shape and past 4 rows."""
+    calls = []
+    real = dispatch._native
+    monkeypatch.setattr(dispatch, "_native", lambda op: (lambda *a: (calls.append((op, len(a))), real(op)(*a))[1]))
+    for (k, n), rows, want in [((1024, 3584), 1, [("gated_mlp_front", 6)]),
+                               ((2560, 9216), 1, [("rms_norm", 4), ("gated_mlp_front", 3)]),
+                               ((1024, 3584), 7, [("rms_norm", 4), ("gated_mlp_front", 3)])]:
+        x, nw = randn(rows, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16)
+        wg, wu = (randn(n, k, dtype=torch.bfloat16, scale=k**-0.5) for _ in range(2))
+        calls.clear()
+        dispatch.gated_mlp_front(x, wg, wu, norm_w=nw, norm_eps=1e-6, norm_unit_offset=True)
+        assert calls == want, (k, rows, calls)
+        assert dispatch.folds_norm(x, wg, wu, gated=True) == (len(want) == 1)
+
+
 BAD_INPUT_CALLS = """
 import torch
 from segki_lightning.ops.extension import native_ops
@@ -576,6 +654,8 @@ bf = dict(device="cuda", dtype=torch.bfloat16)
 x = torch.randn(2, 72, **bf)
 calls = {
     "linear": lambda: ops.linear(x, torch.randn(8, 64, **bf), None, None),
+    "gated_mlp_front": lambda: ops.gated_mlp_front(x, torch.randn(8, 72, **bf), torch.randn(8, 72, **bf),
+                                                   torch.randn(64, **bf), 1e-6, True),
     "gdn_in_proj_conv": lambda: ops.gdn_in_proj_conv(x, *[torch.randn(n, 72, **bf) for n in (40, 8, 2, 2)],
                                                      torch.randn(2, 41, 4, **bf), torch.randn(40, 4, **bf), None),
     "gdn_decode_step": lambda: ops.gdn_decode_step(
@@ -618,6 +698,7 @@ def test_a_native_op_raises_on_bad_input_instead_of_crashing():
     assert "linear raised: segki::linear: weight" in proc.stdout, proc.stdout
     assert "gdn_in_proj_conv raised: segki::gdn_in_proj_conv: conv_state" in proc.stdout, proc.stdout
     assert "gdn_decode_step raised: segki::gdn_decode_step: conv_state" in proc.stdout, proc.stdout
+    assert "gated_mlp_front raised: segki::gated_mlp_front: norm_w" in proc.stdout, proc.stdout
 
 
 def sampling_args(b, temperature, top_k=0, top_p=1.0):

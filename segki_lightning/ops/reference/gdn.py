@@ -100,11 +100,12 @@ def gdn_conv_step(qkv: Tensor, conv_state: Tensor, conv_weight: Tensor, conv_bia
 def gdn_in_proj_conv(
     x: Tensor, w_qkv: Tensor, w_z: Tensor, w_b: Tensor, w_a: Tensor,
     conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None,
+    norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`gdn_in_proj` of ``x [B, K]`` followed by :func:`gdn_conv_step` on its q|k|v: returns
-    ``(mixed [B, C], z, b, a)`` and shifts ``conv_state`` in place (the native op runs the conv in the
-    projection's epilogue)."""
-    qkv, z, b, a = gdn_in_proj(x, w_qkv, w_z, w_b, w_a)
+    """:func:`gdn_in_proj` of ``x [B, K]`` (with its optional norm prologue) followed by :func:`gdn_conv_step` on
+    its q|k|v: returns ``(mixed [B, C], z, b, a)`` and shifts ``conv_state`` in place (the native op runs the conv
+    in the projection's epilogue)."""
+    qkv, z, b, a = gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w, norm_eps, norm_unit_offset)
     return gdn_conv_step(qkv, conv_state, conv_weight, conv_bias), z, b, a
 
 

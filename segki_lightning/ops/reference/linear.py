@@ -2,11 +2,21 @@
 
 Shapes: ``x [..., K]``, each weight ``[N_i, K]``, each output ``[..., N_i]`` in ``x.dtype``. Products
 accumulate in fp32 (BLAS for bf16/fp16 does); elementwise epilogues run in fp32.
+
+The projections that follow a norm in a decoder layer take it as an optional prologue: with ``norm_w [K]``, x is
+first ``rms_norm(x, norm_w, norm_eps, norm_unit_offset)`` (the native ops normalize x on its way into the GEMV).
 """
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor
+
+from .norm import rms_norm
+
+
+def normed_input(x: Tensor, norm_w: Tensor | None, norm_eps: float, norm_unit_offset: bool) -> Tensor:
+    """The projection's input after its norm prologue: ``x`` itself when ``norm_w`` is None."""
+    return x if norm_w is None else rms_norm(x, norm_w, norm_eps, norm_unit_offset)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
@@ -16,11 +26,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     return out if residual is None else residual + out
 
 
-def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor) -> Tensor:
+def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
+                    norm_unit_offset: bool = False) -> Tensor:
     """``silu(x @ w_gate^T) * (x @ w_up^T)``: ``x [..., K]``, ``w_* [I, K]`` -> ``[..., I]``.
 
     The gate and up products are combined in fp32 and rounded once to ``x.dtype``.
     """
+    x = normed_input(x, norm_w, norm_eps, norm_unit_offset)
     return silu_mul(F.linear(x, w_gate), F.linear(x, w_up))
 
 
@@ -32,15 +44,19 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
 def qkv_proj(
     x: Tensor, w_q: Tensor, w_k: Tensor, w_v: Tensor,
     b_q: Tensor | None = None, b_k: Tensor | None = None, b_v: Tensor | None = None,
+    norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Attention input projections from three weights: ``x [..., K]`` -> ``q [..., Nq]``, ``k [..., Nk]``,
     ``v [..., Nv]``. Biases are optional and per projection."""
+    x = normed_input(x, norm_w, norm_eps, norm_unit_offset)
     return F.linear(x, w_q, b_q), F.linear(x, w_k, b_k), F.linear(x, w_v, b_v)
 
 
 def gdn_in_proj(
-    x: Tensor, w_qkv: Tensor, w_z: Tensor, w_b: Tensor, w_a: Tensor
+    x: Tensor, w_qkv: Tensor, w_z: Tensor, w_b: Tensor, w_a: Tensor,
+    norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gated-DeltaNet input projections: ``x [..., K]`` -> ``qkv [..., 2*Hk*Dk + Hv*Dv]``,
     ``z [..., Hv*Dv]``, ``b [..., Hv]``, ``a [..., Hv]``."""
+    x = normed_input(x, norm_w, norm_eps, norm_unit_offset)
     return F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a)
