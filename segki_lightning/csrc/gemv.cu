@@ -593,39 +593,56 @@ __device__ __forceinline__ float lane_value(const float (&acc)[MAXM], int lane) 
 // dot products slower than the weights' arrival: 0.8B o_proj 3.5 us against 3.3 on the register path), through
 // the launch's RMSNorm when it has one. The norm is rms_norm_kernel's arithmetic thread for thread (the same 8
 // columns of every 2048 per thread, the same block reduction, 256 threads both), so the rows hold the bits that
-// kernel would have stored; the weight chunks, requested before the PDL wait, land meanwhile.
+// kernel would have stored. It sits on every block's path between the PDL wait and the dot products, so it costs
+// one round trip: every row's first 8 columns are requested at once and kept in registers, and the thread's first
+// 8 norm weights (`w0`) were loaded before the wait; only columns past the first 2048 go through memory twice.
 template <typename T, int MAXM>
-__device__ __forceinline__ void stage_x(const GemvArgs<T>& a, T* __restrict__ xs, float (*scratch)[32]) {
+__device__ __forceinline__ void stage_x(const GemvArgs<T>& a, T* __restrict__ xs, float (*scratch)[32], uint4 w0) {
   if (a.norm_w == nullptr) {
     for (int i = threadIdx.x; i < a.m * a.k / 8; i += kWarps * 32)
       reinterpret_cast<uint4*>(xs)[i] = ld_cached(a.x + (size_t)i * 8);
     return;
   }
-  float ss[MAXM] = {};
+  constexpr int kStride = kWarps * 32 * 8;  // columns between a thread's stretches
+  const int i0 = threadIdx.x * 8;
+  uint4 first[MAXM];  // [row]: the thread's first 8 columns of each row
+#pragma unroll
+  for (int r = 0; r < MAXM; ++r)
+    first[r] = r < a.m && i0 < a.k ? ld_cached(a.x + (size_t)r * a.k + i0) : make_uint4(0, 0, 0, 0);
+  float ss[MAXM];
 #pragma unroll
   for (int r = 0; r < MAXM; ++r) {
-    if (r >= a.m) break;
-    for (int i = threadIdx.x * 8; i < a.k; i += kWarps * 32 * 8) {  // pass 1: the rows as they are, and their squares
-      const uint4 u = ld_cached(a.x + (size_t)r * a.k + i);
-      *reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i) = u;
-      float v[8];
-      unpack8<T>(u, v);
-      ss[r] = add_squares8(v, ss[r]);
-    }
+    float v[8];
+    unpack8<T>(first[r], v);
+    ss[r] = add_squares8(v, 0.f);
+    if (r < a.m)
+      for (int i = i0 + kStride; i < a.k; i += kStride) {  // rows wider than 2048: the rest as they are, for now
+        const uint4 u = ld_cached(a.x + (size_t)r * a.k + i);
+        *reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i) = u;
+        unpack8<T>(u, v);
+        ss[r] = add_squares8(v, ss[r]);
+      }
   }
   block_sums<MAXM>(ss, scratch);
+  float wf0[8];
+  unpack8<T>(w0, wf0);
 #pragma unroll
   for (int r = 0; r < MAXM; ++r) {
-    if (r >= a.m) break;
-    const float inv = rms_inverse(ss[r], a.k, a.norm_eps);
-    for (int i = threadIdx.x * 8; i < a.k; i += kWarps * 32 * 8) {  // pass 2: normalized in place, by the same thread
-      uint4* p = reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i);
+    if (r < a.m && i0 < a.k) {
+      const float inv = rms_inverse(ss[r], a.k, a.norm_eps);
       float v[8], w[8];
-      unpack8<T>(*p, v);
-      unpack8<T>(ld_cached(a.norm_w + i), w);
+      unpack8<T>(first[r], v);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, w[j], a.norm_unit_offset);
-      *p = pack8<T>(v);
+      for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, wf0[j], a.norm_unit_offset);
+      *reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i0) = pack8<T>(v);
+      for (int i = i0 + kStride; i < a.k; i += kStride) {  // normalized in place, by the thread that stored them
+        uint4* p = reinterpret_cast<uint4*>(xs + (size_t)r * a.k + i);
+        unpack8<T>(*p, v);
+        unpack8<T>(ld_cached(a.norm_w + i), w);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, w[j], a.norm_unit_offset);
+        *p = pack8<T>(v);
+      }
     }
   }
 }
@@ -654,11 +671,11 @@ __global__ void __launch_bounds__(kWarps * 32, 3) gemv_bulk_kernel(const GemvArg
       ahead += ch.rows;
     }
   }
-  if (a.norm_w && threadIdx.x * 8 < a.k)  // a weight: into L1 before the wait
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(a.norm_w + threadIdx.x * 8));
+  // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait)
+  const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
-  stage_x<T, MAXM>(a, xs, norm_scratch);
+  stage_x<T, MAXM>(a, xs, norm_scratch, w0);
   __syncthreads();  // x is in place and the barriers are initialized before any thread waits on them
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int item = begin;
