@@ -50,6 +50,10 @@ LARGE_FUSED_BYTES = 32 * 2**20
 BULK_ROWS, BULK_MAX_WEIGHT_BYTES, BULK_MAX_ROW_BYTES = 4, 16 * 2**20, 2048
 BULK_CHUNK_BYTES, BULK_SMEM_BYTES = 32 * 1024, 108 * 1024
 FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as their own kernels (for comparisons)
+# Rows up to which the norms fold (benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in
+# one run): 1 row +5.4 % (1113 -> 1173 tok/s), 2 rows +1.8 %, 4 rows -3.2 % (each block normalizes every row
+# before its dot products; that grows with the rows, the launch saved does not).
+FOLD_ROWS = 2
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -158,12 +162,15 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
 
 def folds_norm(x: Tensor, *weights: Tensor, gated: bool = False) -> bool:
     """Whether the native projection of ``x [..., K]`` by ``weights`` runs an RMSNorm of x inside its own launch
-    (the copy-engine GEMV's x staging; ``gated``: the SiLU-gated front, whose gate and up rows stream together).
-    Elsewhere the projections' norm prologue runs as the norm kernel first: the same bits, one launch more."""
+    (the copy-engine GEMV's x staging, at most ``FOLD_ROWS`` rows; ``gated``: the SiLU-gated front, whose gate and
+    up rows stream together). Elsewhere the projections' norm prologue runs as the norm kernel first: the same
+    bits, one launch more."""
     if not FOLD_NORM or x.device.type != "cuda" or x.dtype not in NATIVE_DTYPES or x.shape[-1] == 0:
         return False
-    size = x.element_size()
-    fits = bulk_gemv_fits(x.numel() // x.shape[-1], x.shape[-1], size, sum(w.numel() for w in weights) * size, gated,
+    size, rows = x.element_size(), x.numel() // x.shape[-1]
+    if rows > FOLD_ROWS:
+        return False
+    fits = bulk_gemv_fits(rows, x.shape[-1], size, sum(w.numel() for w in weights) * size, gated,
                           os.environ.get("SEGKI_GEMV_BULK"))
     return (fits and all(w.data_ptr() % 16 == 0 for w in weights)
             and torch.cuda.get_device_capability(x.device)[0] >= 9)

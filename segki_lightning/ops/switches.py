@@ -21,7 +21,7 @@ KERNEL_SWITCHES = {
     "SEGKI_GEMV_MAX_ROWS": (re.compile(r"[1-9]\d*|\w+:[1-9]\d*(, *\w+:[1-9]\d*)*"),
                             "one native row limit for every decode GEMV, or op:rows pairs for those ops "
                             "(e.g. gated_mlp_front:32,linear:16)"),
-    "SEGKI_FOLD_NORM": (("0", "1"), "0: at 1-4 rows each decoder-layer norm as its own kernel, not inside the "
+    "SEGKI_FOLD_NORM": (("0", "1"), "0: at 1-2 rows each decoder-layer norm as its own kernel, not inside the "
                                     "copy-engine GEMV after it"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),

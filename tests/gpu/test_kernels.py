@@ -631,12 +631,13 @@ def test_the_norm_prologue_of_the_gdn_projection_with_its_conv_gives_the_unfused
 
 def test_dispatch_hands_the_norm_to_the_projection_only_where_its_launch_runs_it(monkeypatch):
     """``ops.gated_mlp_front(..., norm_w=...)``: one native call with the norm at one row on the 0.8B shape; the
-    native norm, then the projection without it, on the 4B shape and past 4 rows."""
+    native norm, then the projection without it, on the 4B shape and past the fold's rows (``FOLD_ROWS``)."""
     calls = []
     real = dispatch._native
     monkeypatch.setattr(dispatch, "_native", lambda op: (lambda *a: (calls.append((op, len(a))), real(op)(*a))[1]))
     for (k, n), rows, want in [((1024, 3584), 1, [("gated_mlp_front", 6)]),
                                ((2560, 9216), 1, [("rms_norm", 4), ("gated_mlp_front", 3)]),
+                               ((1024, 3584), 3, [("rms_norm", 4), ("gated_mlp_front", 3)]),
                                ((1024, 3584), 7, [("rms_norm", 4), ("gated_mlp_front", 3)])]:
         x, nw = randn(rows, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16)
         wg, wu = (randn(n, k, dtype=torch.bfloat16, scale=k**-0.5) for _ in range(2))
