@@ -500,7 +500,9 @@ void launch_small(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
 // row_dot: a chunk of 8 or more rows sums in row_dot's order with one K part (bit-equal to the register path
 // where that has one part too); a chunk of fewer rows splits each row's stretches over the idle warps and sums
 // the parts in part order. A block whose rows span weights takes one chunk per weight through two slots (a
-// third and later wait for a slot to be read).
+// third and later wait for a slot to be read). With a norm prologue x is normalized as it is staged (stage_x), so
+// the RMSNorm before the projection needs no launch (dispatch asks for it at 1-2 rows, where that measured faster:
+// `results/fold_norm_prologue/`).
 // Where it runs (`results/bulk_grid/`): weights of at most 16 MiB, or rows of at most 2 KB -- the 0.8B model's
 // projections and output head, where the register path pays its ramp and tail per launch or keeps too few bytes
 // in flight per warp: 0.8B decode b=1 1035 -> 1121 tok/s, b=4 3265 -> 3423 (one run). The 4B shapes (21-1272 MB,
