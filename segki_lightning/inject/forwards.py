@@ -302,17 +302,21 @@ def _mlp_half(self: nn.Module, s: LayerSpec, out: Tensor, hidden_states: Tensor)
     return residual + self.mlp(normed)
 
 
+def _hooked(module: nn.Module) -> bool:
+    """``module`` has forward hooks, which must see its inputs and outputs."""
+    return bool(module._forward_hooks or module._forward_pre_hooks)
+
+
 def _plain(module: nn.Module, forward: Any) -> bool:
     """``module`` runs the injected ``forward`` and has no hooks that would see its inputs."""
-    hooked = module._forward_hooks or module._forward_pre_hooks
-    return getattr(module.forward, "__func__", None) is forward and not hooked
+    return getattr(module.forward, "__func__", None) is forward and not _hooked(module)
 
 
 def _mixer_decode_call(self: nn.Module, s: LayerSpec, x: Tensor, mixer_kwargs: dict) -> functools.partial | None:
     """The mixer's fused decode of this call, when it is an engine decode step through an injected mixer and
     input norm (none hooked): the layer then runs the norm inside the mixer's input projection."""
     mixer = getattr(self, s.mixer)
-    if not _plain(self.input_layernorm, rms_norm_forward) or mixer._forward_hooks or mixer._forward_pre_hooks:
+    if not _plain(self.input_layernorm, rms_norm_forward) or _hooked(mixer):
         return None
     forward = getattr(mixer.forward, "__func__", None)
     if forward is attention_forward:
