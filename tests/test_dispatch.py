@@ -188,7 +188,7 @@ def test_the_layer_tail_runs_as_one_launch_by_its_rule():
     assert not fits(5, 2048, 1024, 3584, 2)
     assert not fits(1, 2048, 8200, 3584, 2)            # a gate|up row pair of 32.8 KB
     assert not fits(1, 2048, 1024, 3588, 2)            # 3588 is not a multiple of 8
-    assert not fits(4, 2048, 1024, 16384, 2)           # x of 128 KB and four slots over 220 KB
+    assert not fits(4, 2048, 1024, 24576, 2)           # x of 192 KB and two 32 KB slots over 220 KB
     x, wo, wg, wd = torch.randn(1, 1, 64), torch.randn(64, 32), torch.randn(96, 64), torch.randn(64, 96)
     assert not dispatch.fuses_layer_tail(x, wo, wg, wg, wd)
     assert not dispatch.fuses_layer_tail(x.bfloat16(), wo.bfloat16(), wg.bfloat16(), wg.bfloat16(), wd.bfloat16())

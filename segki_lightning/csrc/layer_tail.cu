@@ -28,6 +28,7 @@ constexpr int kTailOps = 3;
 constexpr int kTailMaxRows = 4;
 constexpr int kTailMaxSlots = 8;
 constexpr int kTailSmemBytes = 220 * 1024;  // x and the ring, at most: one block per SM
+constexpr long kSmemPerSm = 228 * 1024, kSmemPerBlock = 3 * 1024;  // an SM's shared memory; a block's static + reserve
 // Counters per launch site: consecutive launches take consecutive groups (round-robin), so a launch never meets
 // a counter that the launch before it in the stream may still be resetting.
 constexpr int kTailGroups = 64;
@@ -40,16 +41,29 @@ struct TailArgs {
   int rpc[kTailOps];         // weight rows per chunk (gate and up rows each, for op 1)
   int chunks[kTailOps];      // chunks of each op
   int first[kTailOps];       // the chunk of each op that goes to block 0 (dealt round-robin over the ops)
+  int range;                 // chunks dealt as contiguous ranges per block and op, not round-robin
   int slots;                 // ring slots of kBulkChunkBytes
   int x_elems;               // shared x's capacity (the widest op's m * K, rounded up to 128 bytes)
   int group;                 // this launch's counters
 };
 
-// The chunks of op OP that block b computes: c = first, first + G, ... below chunks[OP].
+// The chunks of op `op` that block b computes: round-robin, c = begin, begin + G, ... below chunks[op] (consecutive
+// chunks of a block lie G chunks apart); or a contiguous range [begin, end) with step 1.
 template <typename T>
-__device__ __forceinline__ int first_chunk(const TailArgs<T>& t, int op) {
+__device__ __forceinline__ int chunk_begin(const TailArgs<T>& t, int op) {
   const int g = (int)gridDim.x;
+  if (t.range) return (int)((long long)blockIdx.x * t.chunks[op] / g);
   return ((int)blockIdx.x - t.first[op] % g + g) % g;
+}
+
+template <typename T>
+__device__ __forceinline__ int chunk_end(const TailArgs<T>& t, int op) {
+  return t.range ? (int)((long long)(blockIdx.x + 1) * t.chunks[op] / gridDim.x) : t.chunks[op];
+}
+
+template <typename T>
+__device__ __forceinline__ int chunk_step(const TailArgs<T>& t) {
+  return t.range ? 1 : (int)gridDim.x;
 }
 
 template <typename T>
@@ -65,9 +79,9 @@ struct Feeder {
   int op, c;
 
   __device__ __forceinline__ void settle(const TailArgs<T>& t) {
-    while (op < kTailOps && c >= t.chunks[op]) {
+    while (op < kTailOps && c >= chunk_end(t, op)) {
       ++op;
-      if (op < kTailOps) c = first_chunk(t, op);
+      if (op < kTailOps) c = chunk_begin(t, op);
     }
   }
 
@@ -78,7 +92,7 @@ struct Feeder {
     else if (op == 1) bulk_issue<T, Epilogue::SiluMul>(t.op[1], tail_chunk(t, t.op[1], 1, c), slot, full);
     else if (op == 2) bulk_issue<T, Epilogue::Plain>(t.op[2], tail_chunk(t, t.op[2], 2, c), slot, full);
     else return;
-    c += (int)gridDim.x;
+    c += chunk_step(t);
   }
 };
 
@@ -94,7 +108,8 @@ __device__ __forceinline__ void tail_op(const TailArgs<T>& t, const T* xs, T* ri
   const GemvArgs<T>& a = t.op[OP];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const size_t slot_elems = kBulkChunkBytes / sizeof(T);
-  for (int c = first_chunk(t, OP); c < t.chunks[OP]; c += (int)gridDim.x, ++seq) {
+  const int end = chunk_end(t, OP), step = chunk_step(t);
+  for (int c = chunk_begin(t, OP); c < end; c += step, ++seq) {
     const BulkChunk ch = tail_chunk(t, a, OP, c);
     int parts = 1;  // warps per row: the chunk's rows share the 8 warps
     while (parts * 2 * ch.rows <= kWarps) parts *= 2;
@@ -158,10 +173,9 @@ __device__ __forceinline__ void wait_all(const unsigned* counter) {
   __syncthreads();
 }
 
-// (two blocks' worth of registers: the ring's shared memory keeps one block per SM, and the registers left over
-// let a block of the next kernel start beside it)
+// (three blocks' worth of registers: SEGKI_TAIL_BLOCKS up to 3 per SM)
 template <typename T, int MAXM>
-__global__ void __launch_bounds__(kWarps * 32, 2) layer_tail_kernel(const __grid_constant__ TailArgs<T> t) {
+__global__ void __launch_bounds__(kWarps * 32, 3) layer_tail_kernel(const __grid_constant__ TailArgs<T> t) {
   extern __shared__ __align__(128) unsigned char tail_smem[];  // x [m][K], then the ring [slots][32 KB]
   __shared__ __align__(8) uint64_t full[kTailMaxSlots];
   __shared__ float red[kWarps][2][MAXM];
@@ -169,7 +183,7 @@ __global__ void __launch_bounds__(kWarps * 32, 2) layer_tail_kernel(const __grid
   T* xs = reinterpret_cast<T*>(tail_smem);
   T* ring = xs + t.x_elems;
   const size_t slot_elems = kBulkChunkBytes / sizeof(T);
-  Feeder<T> feed{0, first_chunk(t, 0)};
+  Feeder<T> feed{0, chunk_begin(t, 0)};
   if (threadIdx.x == 0) {  // weights only: safe before the wait
     for (int s = 0; s < t.slots; ++s) mbar_init(&full[s]);
     bulk_fence_init();
@@ -204,14 +218,20 @@ __global__ void __launch_bounds__(kWarps * 32, 2) layer_tail_kernel(const __grid
   }
 }
 
-// Ring slots (SEGKI_TAIL_SLOTS, 4-8; default 4, as many as fit beside x): fewer leave room on each SM for a
-// block of the next kernel, whose weight copies then start while this kernel finishes; more keep more of the
-// layer's weights in flight. Four or more also keep two blocks of this kernel off one SM.
-constexpr int kTailMinSlots = 4;
+// Measurement switches: ring slots per block (SEGKI_TAIL_SLOTS, 2-8; default 4, as many as fit beside x), blocks
+// per SM (SEGKI_TAIL_BLOCKS, 1-3; default 1) and the deal of chunks to blocks (SEGKI_TAIL_DEAL=range: contiguous
+// per block and op; default round-robin). Fewer slots leave room on each SM for a block of the next kernel, more
+// keep more of the layer's weights in flight.
+constexpr int kTailMinSlots = 2;
 
 inline int tail_slots() {
-  static const int slots = (int)env_long("SEGKI_TAIL_SLOTS", kTailMinSlots, kTailMinSlots, kTailMaxSlots);
+  static const int slots = (int)env_long("SEGKI_TAIL_SLOTS", 4, kTailMinSlots, kTailMaxSlots);
   return slots;
+}
+
+inline int tail_blocks_per_sm() {
+  static const int blocks = (int)env_long("SEGKI_TAIL_BLOCKS", 1, 1, 3);
+  return blocks;
 }
 
 // Consecutive launches take consecutive counter groups.
@@ -241,14 +261,16 @@ bool tail_plan(TailArgs<T>& t, long& smem) {
     x_bytes = std::max<long>(x_bytes, ((long)a.m * a.k * (long)sizeof(T) + 127) / 128 * 128);
   }
   t.x_elems = (int)(x_bytes / sizeof(T));
-  t.slots = (int)std::min<long>(tail_slots(), (kTailSmemBytes - x_bytes) / kBulkChunkBytes);
+  const long budget = std::min<long>(kTailSmemBytes, kSmemPerSm / tail_blocks_per_sm() - kSmemPerBlock);
+  t.slots = (int)std::min<long>(tail_slots(), (budget - x_bytes) / kBulkChunkBytes);
+  t.range = env_is("SEGKI_TAIL_DEAL", "range");
   smem = x_bytes + (long)t.slots * kBulkChunkBytes;
   return t.slots >= kTailMinSlots;
 }
 
 template <typename T>
 void launch_tail(const TailArgs<T>& t, long smem) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * tail_blocks_per_sm();
   auto stream = at::cuda::getCurrentCUDAStream();
 #define SEGKI_TAIL_CASE(M)                                                                                    \
   if (t.op[0].m <= M) {                                                                                      \

@@ -58,10 +58,10 @@ FOLD_ROWS = 2
 # layer_tail.cu): one block per SM streams all three weights through one ring of copy-engine slots, across the
 # ops' boundaries, instead of three launches that each pay their ramp and tail. SEGKI_LAYER_TAIL=0 keeps the three
 # launches (for comparisons). Its rule, mirrored by tail_fits: 1-4 rows, every weight row (gate and up rows
-# together) within a 32 KB slot, the widest x and four slots within 220 KB of shared memory, 16-byte aligned
+# together) within a 32 KB slot, the widest x and two slots within 220 KB of shared memory, 16-byte aligned
 # weights, sm_90. TAIL_ROWS: the rows where the layers use it.
 LAYER_TAIL = os.environ.get("SEGKI_LAYER_TAIL", "1") != "0"
-TAIL_ROWS, TAIL_MAX_ROWS, TAIL_SMEM_BYTES, TAIL_MIN_SLOTS = 2, 4, 220 * 1024, 4
+TAIL_ROWS, TAIL_MAX_ROWS, TAIL_SMEM_BYTES, TAIL_MIN_SLOTS = 2, 4, 220 * 1024, 2
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:

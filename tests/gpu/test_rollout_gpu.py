@@ -188,7 +188,8 @@ def test_the_layer_tail_in_one_launch_gives_the_decode_of_the_separate_projectio
     x = torch.zeros(rows, 1, 256, dtype=torch.bfloat16, device="cuda")
     layer = model.model.layers[0]
     ws = (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)
-    assert ops.fuses_layer_tail(x, layer.linear_attn.out_proj.weight, *ws) == (rows <= dispatch.TAIL_ROWS)
+    with torch.no_grad():   # (as at decode: the native ops record no autograd graph)
+        assert ops.fuses_layer_tail(x, layer.linear_attn.out_proj.weight, *ws) == (rows <= dispatch.TAIL_ROWS)
     one = RolloutEngine(model, max_batch_size=8, max_seq_len=64, eos_token_id=[]).generate(ps, cfg)
     monkeypatch.setattr(dispatch, "LAYER_TAIL", False)
     three = RolloutEngine(model, max_batch_size=8, max_seq_len=64, eos_token_id=[]).generate(ps, cfg)
