@@ -27,7 +27,10 @@ Each variant runs at every ``--mib`` size: 1024 MiB measures the steady state (~
 GEMV-sized weight (~4 slots per block), where the first slot's latency and the tail count. Reports GB/s, % of
 copy bandwidth and microseconds per slot per block. Writes ``bulk_stream.json/md``.
 
-    python benchmarks/bulk_stream.py --out DIR [--mib 1024 16]
+The buffers hold random bf16 values (``--fill zeros``: zeros, as every run before ``results/layer_tail/`` did: zero
+data can run faster than real data, and the dot modes then multiplied zeros).
+
+    python benchmarks/bulk_stream.py --out DIR [--mib 1024 16] [--fill random|zeros]
 """
 from __future__ import annotations
 
@@ -52,9 +55,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--mib", type=int, nargs="+", default=[1024, 16], help="MiB streamed per call, over all blocks")
+    ap.add_argument("--fill", choices=["random", "zeros"], default="random", help="what the streamed buffers hold")
     args, bw = start_bench_ops(ap, "bulk_stream")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bufs = [torch.zeros(max(args.mib) * 2**18, dtype=torch.int32, device="cuda") for _ in range(2)]
+    words = max(args.mib) * 2**18
+    bufs = [torch.zeros(words, dtype=torch.int32, device="cuda") if args.fill == "zeros" else
+            torch.randn(2 * words, device="cuda").to(torch.bfloat16).view(torch.int32) for _ in range(2)]
     sink = torch.zeros(max(v[3] for v in VARIANTS) * sms * 16, dtype=torch.int32, device="cuda")
     op = torch.ops.segki_bulk_stream.stream
     rows = []
@@ -84,7 +90,8 @@ def main() -> None:
             rows.append(row)
     header = (f"# One block's stream through the copy engine ({torch.cuda.get_device_name(0)}, {sms} SMs, "
               f"copy bandwidth {bw:.0f} GB/s)\n\n"
-              f"Command: `python benchmarks/bulk_stream.py --out DIR --mib {' '.join(map(str, args.mib))}`")
+              f"Command: `python benchmarks/bulk_stream.py --out DIR --mib {' '.join(map(str, args.mib))} "
+              f"--fill {args.fill}`")
     columns = ["mib", "variant", "blocks", "slots_per_block", "us", "gbps", "pct_copy", "us_per_slot", "error"]
     write_results(args.out, "bulk_stream", rows, columns, header)
 

@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
       }
     }
   }
-  if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;  // never for zeros: only keeps the loads
+  if (acc == 0x9E3779B9u) sink[blockIdx.x] = acc;  // (almost) never: only keeps the loads
 }
 
 // `blocks` blocks each stream `buf.nbytes() / blocks` bytes through `slots` slots of `chunk_bytes`.
