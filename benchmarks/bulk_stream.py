@@ -18,6 +18,9 @@ one or two blocks per SM with nothing but a fold of the words, in variants that 
   6 or 3 rows), one warp per row as the copy-engine GEMV did; ``dot_spread``: the same products with every warp
   on every row (a row's chain split eight ways): if ``dot_row`` pays the GEMV's ~1.5 us per slot and
   ``dot_spread`` does not, the cost was the per-warp row chain;
+- ``dot_mma``: ``ring`` whose readers do the one-row GEMV on the tensor cores (a 32 KB slot is a 16-row tile of
+  1024 columns; ~20 instructions per warp and slot against ``dot_row``'s ~250): if it streams where ``dot_row``
+  does not, a one-block-per-SM ring is bound by its per-slot work (``results/layer_tail/``), not by the copies;
 - ``loads``: no copy engine, each thread keeps four 16-byte register loads in flight (the register path's rate
   on the same shares, for reference);
 - any of them at two, four or eight blocks per SM (``x2``, ``x4``, ``x8``): the same bytes in flight spread over
@@ -41,10 +44,12 @@ import torch
 
 from common import graph_time_us, start_bench_ops, write_results
 
-MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4, "store": 5, "store_nofence": 6, "dot_row": 7, "dot_spread": 8}
+MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4, "store": 5, "store_nofence": 6, "dot_row": 7,
+         "dot_spread": 8, "dot_mma": 9}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
-VARIANTS = [("ring", 3, 32, 1), ("dot_row", 3, 30, 1), ("dot_spread", 3, 30, 1), ("dot_row", 3, 15, 1),
-            ("dot_spread", 3, 15, 1), ("dot_row", 6, 30, 1), ("store", 3, 32, 1), ("store_nofence", 3, 32, 1), ("store", 3, 16, 1),
+VARIANTS = [("ring", 3, 32, 1), ("dot_mma", 3, 32, 1), ("dot_mma", 6, 32, 1), ("dot_mma", 3, 32, 2),
+            ("dot_row", 3, 30, 1), ("dot_spread", 3, 30, 1), ("dot_row", 3, 15, 1), ("dot_spread", 3, 15, 1),
+            ("dot_row", 6, 30, 1), ("store", 3, 32, 1), ("store_nofence", 3, 32, 1), ("store", 3, 16, 1),
             ("store_nofence", 3, 16, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
             ("producer", 3, 32, 1), ("producer", 6, 32, 1), ("split4", 3, 32, 1), ("split4", 6, 32, 1),
             ("ring", 3, 32, 2), ("producer", 3, 32, 2), ("ring", 2, 16, 4), ("ring", 1, 32, 4), ("ring", 1, 16, 8),

@@ -19,7 +19,11 @@
 //              row . x (x staged in shared memory) lane by lane, 8 dependent FMAs per 16 bytes, then warp-sums
 //              and stores it, as gemv_bulk_kernel did with 6 rows per 30 KB slot;
 //   kDotSpread the same products with every warp on every row (warp w takes the row's stretches w, w + 8, ...),
-//              the 8 warps' parts summed through shared memory: one row's chain split eight ways.
+//              the 8 warps' parts summed through shared memory: one row's chain split eight ways;
+//   kDotMma    the one-row GEMV on the tensor cores: a 32 KB slot is one 16-row tile of kMmaK = 1024 columns, each
+//              warp takes an eighth of the columns as mma.m16n8k16 steps (x the one useful column of B), and the
+//              warps' partial rows meet in shared memory: ~20 instructions per warp and slot where kDotRow issues
+//              ~250, so whether the per-slot work or the copies bound a one-block-per-SM ring shows here.
 // If kDotRow costs ~1.5 us per slot and kDotSpread does not, the GEMV's per-slot cost was its per-warp row chain.
 #include "bulk.cuh"
 #include "common.cuh"
@@ -33,10 +37,11 @@ constexpr int kThreads = 256;
 constexpr int kMaxSlots = 16;
 enum Mode {
   kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4, kStore = 5, kStoreNoFence = 6, kDotRow = 7,
-  kDotSpread = 8
+  kDotSpread = 8, kDotMma = 9
 };
 constexpr int kDotK = 2560;
 constexpr int kDotMaxRows = 8;  // rows per slot in the dot modes: a slot of at most 40 KB
+constexpr int kMmaK = 1024;     // kDotMma: a 32 KB slot is 16 rows of 1024 bf16 (the 0.8B projections' K)
 
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   unsigned done;
@@ -96,7 +101,7 @@ __device__ __forceinline__ float dot_part(const uint4* row, const uint4* x, int 
 
 // The dot modes' work on one slot of `rows` rows; lane 0 of a warp that finishes a row stores it.
 template <int MODE>
-__device__ __forceinline__ void dot_slot(const uint4* slot, const uint4* x, int rows, float (*red)[kDotMaxRows],
+__device__ __forceinline__ void dot_slot(const uint4* slot, const uint4* x, int rows, float (*red)[2 * kDotMaxRows],
                                          unsigned* out) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if constexpr (MODE == kDotRow) {
@@ -118,12 +123,41 @@ __device__ __forceinline__ void dot_slot(const uint4* slot, const uint4* x, int 
   }
 }
 
+// kDotMma's work on one slot: rows g and g + 8 of the tile, 8 consecutive columns per lane and 32-column block,
+// in the fragment slots {2t, 2t+1, 2t+8, 2t+9} of two k-steps with x permuted alike (gemv.cu's tensor-core
+// order); C's column 0 (lanes t == 0) holds the rows' partial sums. Lane r of warp 0 stores row r.
+__device__ __forceinline__ void mma_slot(const uint4* slot, const uint4* x, float (*red)[2 * kDotMaxRows],
+                                         unsigned* out) {
+  constexpr int kWords = kMmaK / 8;                     // 16-byte words per row
+  constexpr int kBlocks = kMmaK / 32 / (kThreads / 32);  // 32-column blocks per warp
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kb = 0; kb < kBlocks; ++kb) {
+    const int w = (warp * kBlocks + kb) * 4 + t;
+    const uint4 lo = slot[g * kWords + w], hi = slot[(g + 8) * kWords + w];
+    const uint4 xv = g == 0 ? x[w] : make_uint4(0, 0, 0, 0);
+    mma16816<__nv_bfloat16>(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+    mma16816<__nv_bfloat16>(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+  }
+  if (t == 0) {
+    red[warp][g] = c[0];
+    red[warp][g + 8] = c[2];
+  }
+  __syncthreads();
+  if (warp == 0 && lane < 16) {
+    float a = 0.f;
+    for (int v = 0; v < kThreads / 32; ++v) a += red[v][lane];
+    out[lane] = __float_as_uint(a);
+  }
+}
+
 template <int MODE>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restrict__ buf, size_t per_block16,
                                                           int slots, int chunk16, unsigned* sink) {
   extern __shared__ __align__(128) uint4 ring[];  // [slots][chunk16], then (dot modes) x [kDotK / 8]
   __shared__ __align__(8) uint64_t full[kMaxSlots];
-  __shared__ float red[kThreads / 32][kDotMaxRows];
+  __shared__ float red[kThreads / 32][2 * kDotMaxRows];
   __shared__ __align__(8) uint64_t empty[kMaxSlots];
   const uint4* src = buf + blockIdx.x * per_block16;
   const int chunks = (int)(per_block16 / chunk16);
@@ -137,8 +171,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
   }
   constexpr bool kDot = MODE == kDotRow || MODE == kDotSpread;
   uint4* xs = ring + (size_t)slots * chunk16;
-  if constexpr (kDot)
-    for (int i = threadIdx.x; i < kDotK / 8; i += kThreads) xs[i] = src[i];
+  if constexpr (kDot || MODE == kDotMma)
+    for (int i = threadIdx.x; i < (kDot ? kDotK : kMmaK) / 8; i += kThreads) xs[i] = src[i];
   __syncthreads();
   unsigned acc = 0;
   if constexpr (MODE == kLoads) {
@@ -181,6 +215,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
       if constexpr (kDot)
         dot_slot<MODE>(ring + (size_t)slot * chunk16, xs, chunk16 * 8 / kDotK, red,
                        sink + (size_t)blockIdx.x * (kThreads / 32) * 2);
+      else if constexpr (MODE == kDotMma)
+        mma_slot(ring + (size_t)slot * chunk16, xs, red, sink + (size_t)blockIdx.x * (kThreads / 32) * 2);
       else
         acc ^= fold(ring + (size_t)slot * chunk16, chunk16, threadIdx.x, kThreads);
       if constexpr (MODE == kStore || MODE == kStoreNoFence)
@@ -201,20 +237,21 @@ void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, 
   TORCH_CHECK(buf.is_cuda() && buf.is_contiguous(), "buf must be a contiguous CUDA tensor");
   TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks * (kThreads / 32) * 2,
               "sink: >= 16 int32 per block");
-  TORCH_CHECK(mode >= 0 && mode <= 8 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
-              "mode 0-8, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(mode >= 0 && mode <= 9 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
+              "mode 0-9, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(mode != kDotMma || chunk_bytes == 16 * kMmaK * 2, "dot_mma: the chunk is 16 rows of ", kMmaK, " bf16");
   TORCH_CHECK(mode != kLoads || chunk_bytes == kThreads * 64, "loads: the chunk is one round, 16 KB");
   const bool dot = mode == kDotRow || mode == kDotSpread;
   TORCH_CHECK(!dot || (chunk_bytes % (kDotK * 2) == 0 && chunk_bytes / (kDotK * 2) <= kDotMaxRows),
               "dot modes: the chunk is 1-8 whole rows of ", kDotK, " bf16");
   const size_t per_block16 = buf.nbytes() / 16 / blocks / (chunk_bytes / 16) * (chunk_bytes / 16);
   TORCH_CHECK(per_block16 > 0, "buf too small for one chunk per block");
-  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes) + (dot ? kDotK * 2 : 0);
+  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes) + (dot ? kDotK * 2 : mode == kDotMma ? kMmaK * 2 : 0);
   using Kernel = void (*)(const uint4*, size_t, int, int, unsigned*);
   const Kernel kernels[] = {stream_kernel<kRing>, stream_kernel<kPoll>, stream_kernel<kProducer>,
                             stream_kernel<kSplit4>, stream_kernel<kLoads>,
                             stream_kernel<kStore>, stream_kernel<kStoreNoFence>, stream_kernel<kDotRow>,
-                            stream_kernel<kDotSpread>};
+                            stream_kernel<kDotSpread>, stream_kernel<kDotMma>};
   const Kernel kernel = kernels[mode];
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<(unsigned)blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
