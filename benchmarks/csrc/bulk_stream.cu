@@ -43,6 +43,11 @@ constexpr int kDotK = 2560;
 constexpr int kDotMaxRows = 8;  // rows per slot in the dot modes: a slot of at most 40 KB
 constexpr int kMmaK = 1024;     // kDotMma: a 32 KB slot is 16 rows of 1024 bf16 (the 0.8B projections' K)
 
+// The columns of x a mode stages in shared memory after the ring (none for the modes without products).
+constexpr int x_cols(int mode) {
+  return mode == kDotRow || mode == kDotSpread ? kDotK : mode == kDotMma ? kMmaK : 0;
+}
+
 __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   unsigned done;
   asm volatile(
@@ -155,7 +160,7 @@ __device__ __forceinline__ void mma_slot(const uint4* slot, const uint4* x, floa
 template <int MODE>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restrict__ buf, size_t per_block16,
                                                           int slots, int chunk16, unsigned* sink) {
-  extern __shared__ __align__(128) uint4 ring[];  // [slots][chunk16], then (dot modes) x [kDotK / 8]
+  extern __shared__ __align__(128) uint4 ring[];  // [slots][chunk16], then x [x_cols(MODE) / 8]
   __shared__ __align__(8) uint64_t full[kMaxSlots];
   __shared__ float red[kThreads / 32][2 * kDotMaxRows];
   __shared__ __align__(8) uint64_t empty[kMaxSlots];
@@ -171,8 +176,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
   }
   constexpr bool kDot = MODE == kDotRow || MODE == kDotSpread;
   uint4* xs = ring + (size_t)slots * chunk16;
-  if constexpr (kDot || MODE == kDotMma)
-    for (int i = threadIdx.x; i < (kDot ? kDotK : kMmaK) / 8; i += kThreads) xs[i] = src[i];
+  for (int i = threadIdx.x; i < x_cols(MODE) / 8; i += kThreads) xs[i] = src[i];
   __syncthreads();
   unsigned acc = 0;
   if constexpr (MODE == kLoads) {
@@ -246,7 +250,7 @@ void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, 
               "dot modes: the chunk is 1-8 whole rows of ", kDotK, " bf16");
   const size_t per_block16 = buf.nbytes() / 16 / blocks / (chunk_bytes / 16) * (chunk_bytes / 16);
   TORCH_CHECK(per_block16 > 0, "buf too small for one chunk per block");
-  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes) + (dot ? kDotK * 2 : mode == kDotMma ? kMmaK * 2 : 0);
+  const int smem = mode == kLoads ? 0 : (int)(slots * chunk_bytes) + x_cols((int)mode) * 2;
   using Kernel = void (*)(const uint4*, size_t, int, int, unsigned*);
   const Kernel kernels[] = {stream_kernel<kRing>, stream_kernel<kPoll>, stream_kernel<kProducer>,
                             stream_kernel<kSplit4>, stream_kernel<kLoads>,
