@@ -21,6 +21,9 @@ one or two blocks per SM with nothing but a fold of the words, in variants that 
 - ``dot_mma``: ``ring`` whose readers do the one-row GEMV on the tensor cores (a 32 KB slot is a 16-row tile of
   1024 columns; ~20 instructions per warp and slot against ``dot_row``'s ~250): if it streams where ``dot_row``
   does not, a one-block-per-SM ring is bound by its per-slot work (``results/layer_tail/``), not by the copies;
+- ``rows``: ``ring`` with each slot filled by 16 copies, each one row's part of a 16-row tile (the share read as
+  rows of four parts), as the layer tail fills its slots: whether 16 copies of 1-2 KB per slot stream as one
+  copy of the slot does;
 - ``loads``: no copy engine, each thread keeps four 16-byte register loads in flight (the register path's rate
   on the same shares, for reference);
 - any of them at two, four or eight blocks per SM (``x2``, ``x4``, ``x8``): the same bytes in flight spread over
@@ -45,9 +48,10 @@ import torch
 from common import graph_time_us, start_bench_ops, write_results
 
 MODES = {"ring": 0, "poll": 1, "producer": 2, "split4": 3, "loads": 4, "store": 5, "store_nofence": 6, "dot_row": 7,
-         "dot_spread": 8, "dot_mma": 9}
+         "dot_spread": 8, "dot_mma": 9, "rows": 10}
 # (mode, slots, slot KB, blocks per SM): the GEMV's ring first, then one change at a time
-VARIANTS = [("ring", 3, 32, 1), ("dot_mma", 3, 32, 1), ("dot_mma", 6, 32, 1), ("dot_mma", 3, 32, 2),
+VARIANTS = [("ring", 3, 32, 1), ("rows", 3, 32, 1), ("rows", 4, 20, 1), ("ring", 4, 20, 1), ("rows", 6, 20, 1),
+            ("rows", 4, 16, 1), ("ring", 4, 16, 1), ("dot_mma", 3, 32, 1), ("dot_mma", 6, 32, 1), ("dot_mma", 3, 32, 2),
             ("dot_row", 3, 30, 1), ("dot_spread", 3, 30, 1), ("dot_row", 3, 15, 1), ("dot_spread", 3, 15, 1),
             ("dot_row", 6, 30, 1), ("store", 3, 32, 1), ("store_nofence", 3, 32, 1), ("store", 3, 16, 1),
             ("store_nofence", 3, 16, 1), ("ring", 6, 32, 1), ("ring", 3, 16, 1), ("ring", 6, 16, 1), ("poll", 3, 32, 1),
@@ -74,6 +78,8 @@ def main() -> None:
             blocks = per_sm * sms
             chunk = kb * 1024
             chunks_per_block = mib * 2**20 // blocks // chunk  # the op streams whole chunks only
+            if mode == "rows":
+                chunks_per_block -= chunks_per_block % 4       # (and whole 16-row tiles of 4 parts)
             row = dict(mib=mib, variant=f"{mode} {slots}x{kb}K" + (f" x{per_sm}" if per_sm > 1 else ""),
                        blocks=blocks, slots_per_block=chunks_per_block)
             if chunks_per_block == 0:

@@ -8,6 +8,10 @@
 //   kProducer  warp 0 only issues: it refills a slot as soon as the 7 reading warps have arrived on the slot's
 //              `empty` barrier, with no block barrier (the warp-specialized pipeline);
 //   kSplit4    kRing with each slot filled by four copies from four lanes;
+//   kRows      kRing with each slot filled as the layer tail fills one (csrc/layer_tail.cu): 16 copies from lanes
+//              0-15, each one row's part of a tile -- the share read as rows of 4 parts of chunk / 16 bytes, slot c
+//              holding part c % 4 of rows 16 (c / 4) .. 16 (c / 4) + 15 (at 20 KB slots, the 4B gate|up's 1280-byte
+//              copies at a 5120-byte row stride);
 //   kStore     kRing where every warp's lane 0 also stores one word to global memory per slot before the block
 //              barrier, as the GEMV stores its outputs (the refill's proxy fence compiles to MEMBAR.ALL.CTA: if
 //              that waits for the issuing warp's stores, each refill pays a round trip);
@@ -37,7 +41,7 @@ constexpr int kThreads = 256;
 constexpr int kMaxSlots = 16;
 enum Mode {
   kRing = 0, kPoll = 1, kProducer = 2, kSplit4 = 3, kLoads = 4, kStore = 5, kStoreNoFence = 6, kDotRow = 7,
-  kDotSpread = 8, kDotMma = 9
+  kDotSpread = 8, kDotMma = 9, kRows = 10
 };
 constexpr int kDotK = 2560;
 constexpr int kDotMaxRows = 8;  // rows per slot in the dot modes: a slot of at most 40 KB
@@ -75,6 +79,12 @@ __device__ __forceinline__ void issue(uint4* ring, uint64_t* full, const uint4* 
     if (lane == 0) mbar_expect(&full[slot], chunk16 * 16);
     __syncwarp();
     if (lane < 4) bulk_load(dst + lane * q, from + lane * q, q * 16, &full[slot]);
+  } else if constexpr (MODE == kRows) {
+    const int piece = chunk16 / 16, row16 = 4 * piece;  // 16-byte words per copy and per row
+    const uint4* tile = src + (size_t)(c / 4) * 16 * row16 + (c % 4) * piece;
+    if (lane == 0) mbar_expect(&full[slot], chunk16 * 16);
+    __syncwarp();
+    if (lane < 16) bulk_load(dst + lane * piece, tile + (size_t)lane * row16, piece * 16, &full[slot]);
   } else if (lane == 0) {
     mbar_expect(&full[slot], chunk16 * 16);
     bulk_load(dst, from, chunk16 * 16, &full[slot]);
@@ -165,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* __restric
   __shared__ float red[kThreads / 32][2 * kDotMaxRows];
   __shared__ __align__(8) uint64_t empty[kMaxSlots];
   const uint4* src = buf + blockIdx.x * per_block16;
-  const int chunks = (int)(per_block16 / chunk16);
+  const int chunks = (int)(per_block16 / chunk16) / (MODE == kRows ? 4 : 1) * (MODE == kRows ? 4 : 1);  // kRows: whole tiles
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     for (int s = 0; s < slots; ++s) {
@@ -241,9 +251,10 @@ void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, 
   TORCH_CHECK(buf.is_cuda() && buf.is_contiguous(), "buf must be a contiguous CUDA tensor");
   TORCH_CHECK(sink.is_cuda() && sink.scalar_type() == at::kInt && sink.numel() >= blocks * (kThreads / 32) * 2,
               "sink: >= 16 int32 per block");
-  TORCH_CHECK(mode >= 0 && mode <= 9 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
-              "mode 0-9, 1-16 slots, chunk a multiple of 64 bytes");
+  TORCH_CHECK(mode >= 0 && mode <= 10 && slots >= 1 && slots <= kMaxSlots && chunk_bytes % 64 == 0,
+              "mode 0-10, 1-16 slots, chunk a multiple of 64 bytes");
   TORCH_CHECK(mode != kDotMma || chunk_bytes == 16 * kMmaK * 2, "dot_mma: the chunk is 16 rows of ", kMmaK, " bf16");
+  TORCH_CHECK(mode != kRows || chunk_bytes % 256 == 0, "rows: the chunk is 16 copies of a multiple of 16 bytes");
   TORCH_CHECK(mode != kLoads || chunk_bytes == kThreads * 64, "loads: the chunk is one round, 16 KB");
   const bool dot = mode == kDotRow || mode == kDotSpread;
   TORCH_CHECK(!dot || (chunk_bytes % (kDotK * 2) == 0 && chunk_bytes / (kDotK * 2) <= kDotMaxRows),
@@ -255,7 +266,7 @@ void stream(const at::Tensor& buf, int64_t mode, int64_t blocks, int64_t slots, 
   const Kernel kernels[] = {stream_kernel<kRing>, stream_kernel<kPoll>, stream_kernel<kProducer>,
                             stream_kernel<kSplit4>, stream_kernel<kLoads>,
                             stream_kernel<kStore>, stream_kernel<kStoreNoFence>, stream_kernel<kDotRow>,
-                            stream_kernel<kDotSpread>, stream_kernel<kDotMma>};
+                            stream_kernel<kDotSpread>, stream_kernel<kDotMma>, stream_kernel<kRows>};
   const Kernel kernel = kernels[mode];
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<(unsigned)blocks, kThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
