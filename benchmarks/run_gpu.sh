@@ -27,7 +27,8 @@
 #   tail    the layer tail in one launch: its GPU tests, kernels.py --only tail at 1, 2 and 4 rows, and decode.py at
 #           1, 2 and 4 rows (TAIL_MODELS, TAIL_BATCHES) with it (default) and under SEGKI_LAYER_TAIL=0
 #           (tail_tests.log, tail_kernels/, tail_decode/tail{1,0}/)
-#   tailab  the layer tail's ring slots (SEGKI_TAIL_SLOTS 2, 3 and 6; 4 is the default) in kernels.py, and Nsight
+#   tailab  the layer tail's ring slots (SEGKI_TAIL_SLOTS 2, 3 and 6; 4 is the default) and whole tiles per block
+#           (SEGKI_TAIL_DEAL=tiles) in kernels.py, and Nsight
 #           Compute on the tail and on the copy-engine GEMVs it replaces (tailab/)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
@@ -145,7 +146,7 @@ for stage in "${stages[@]}"; do
                echo "-- SEGKI_LAYER_TAIL=$on"; grep "ours" "$out/tail_decode/tail$on/decode.md" | cut -d'|' -f2-8
              done ;;
     tailab)  mkdir -p "$out/tailab"
-             for run in "s2 SEGKI_TAIL_SLOTS=2" "s3 SEGKI_TAIL_SLOTS=3" "s6 SEGKI_TAIL_SLOTS=6"; do
+             for run in "s2 SEGKI_TAIL_SLOTS=2" "s3 SEGKI_TAIL_SLOTS=3" "s6 SEGKI_TAIL_SLOTS=6" "tiles SEGKI_TAIL_DEAL=tiles"; do
                set -- $run; name=$1; shift
                env "$@" python3 benchmarks/kernels.py --out "$out/tailab/$name" --batches 1 --only tail > "$out/tailab/$name.log" 2>&1
                echo "-- $*"; grep -E "^\| (4b|0.8b)" "$out/tailab/$name/kernels.md" | cut -d'|' -f2-8

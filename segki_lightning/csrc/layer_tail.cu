@@ -61,6 +61,7 @@ struct TailArgs {
   int slot_elems;            // a slot's elements: 16 rows of the widest part + skew
   int x_elems;               // shared x's capacity (the widest op's m * K, rounded up to 128 bytes)
   int group;                 // this launch's counters
+  int deal_tiles;            // SEGKI_TAIL_DEAL=tiles: whole tiles per block (no tile split over blocks)
   float* scratch;            // [all slots][16][kTailMaxRows]: the pieces of tiles that span blocks
 };
 
@@ -71,6 +72,19 @@ __device__ __forceinline__ int range_begin(int slots, int b) {
 
 __device__ __forceinline__ int owner(int slots, int q) {
   return (int)(((long long)(q + 1) * gridDim.x - 1) / slots);
+}
+
+// Block b's slots of op `op`, [q0, q1): contiguous slots, or whole tiles under deal_tiles.
+template <typename T>
+__device__ __forceinline__ void op_range(const TailArgs<T>& t, int op, int b, int& q0, int& q1) {
+  const OpPlan& p = t.plan[op];
+  if (t.deal_tiles) {
+    q0 = range_begin(p.tiles, b) * p.parts;
+    q1 = range_begin(p.tiles, b + 1) * p.parts;
+  } else {
+    q0 = range_begin(p.tiles * p.parts, b);
+    q1 = range_begin(p.tiles * p.parts, b + 1);
+  }
 }
 
 // The number of blocks whose ranges hold parts of the tile whose first slot is q0: where the owner changes.
@@ -97,11 +111,7 @@ struct Feeder {
   __device__ __forceinline__ void settle(const TailArgs<T>& t) {
     while (op < kTailOps && q >= end) {
       ++op;
-      if (op < kTailOps) {
-        const int s = t.plan[op].tiles * t.plan[op].parts;
-        q = range_begin(s, blockIdx.x);
-        end = range_begin(s, blockIdx.x + 1);
-      }
+      if (op < kTailOps) op_range(t, op, blockIdx.x, q, end);
     }
   }
 
@@ -220,11 +230,12 @@ __device__ __forceinline__ void tail_op(const TailArgs<T>& t, const T* xs, T* ri
                                         Feeder<T>& feed, unsigned* tiles_arrived, int* is_last) {
   const GemvArgs<T>& a = t.op[OP];
   const OpPlan& p = t.plan[OP];
-  const int slots = p.tiles * p.parts, q1 = range_begin(slots, blockIdx.x + 1);
+  int q0, q1;
+  op_range(t, OP, blockIdx.x, q0, q1);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, n0 = 2 * (lane & 3);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   int first_part = -1;
-  for (int q = range_begin(slots, blockIdx.x); q < q1; ++q, ++seq) {
+  for (int q = q0; q < q1; ++q, ++seq) {
     const int tile = q / p.parts, part = q % p.parts, slot = seq % t.slots;
     if (first_part < 0) first_part = part;
     mbar_wait(&full[slot], (unsigned)(seq / t.slots) & 1u);
@@ -465,6 +476,7 @@ at::Tensor layer_tail(const at::Tensor& core, const at::Tensor& w_out, const c10
     auto pieces = at::empty({scratch}, core.options().dtype(at::kFloat));
     t.scratch = pieces.data_ptr<float>();
     t.group = next_tail_group();
+    t.deal_tiles = env_is("SEGKI_TAIL_DEAL", "tiles");
     launch_tail<T>(t, smem);
   });
   return out;
