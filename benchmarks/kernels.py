@@ -23,8 +23,7 @@ from segki_lightning.ops.dispatch import native_rows  # noqa: E402
 from segki_lightning.ops.extension import native_ops  # noqa: E402
 
 DT = torch.bfloat16
-GROUPS = ("proj", "small", "attention", "tail")  # GEMV family | norm, prologue, GDN, sampling | decode attention |
-# a decoder layer's output projection + norm + MLP as one launch (layer_tail) and as the three launches it replaces
+GROUPS = ("proj", "small", "attention")  # GEMV family | norm, prologue, GDN, sampling | decode attention
 L2_BYTES = 60e6
 MODELS = {  # hidden, intermediate, (Hk, Hv, Dk, Dv), (Hq, Hkv, D), vocab
     "4b": (2560, 9216, (16, 32, 128, 128), (16, 4, 256), 248320),
@@ -78,27 +77,6 @@ def bench_projection(model, name, k, ns, batch, bw):
         out_bytes = batch * sum(ns) * 2
     moved = nbytes(x, *sets[0]) + out_bytes
     return row(model, name, batch, moved, graph_time_us(native), graph_time_us(torch_), bw)
-
-
-def bench_layer_tail(model, batch, bw):
-    """The tail of a GDN layer (out_proj + residual, the post-attention norm, gate|up, down + residual): one
-    launch, then the three native launches it replaces (the same bytes), each against the reference ops."""
-    h, inter, (_, hv, _, dv), _, _ = MODELS[model]
-    core, res, nw = rand(batch, hv * dv), rand(batch, h), rand(h, scale=0.3)
-    shapes = [(h, hv * dv), (inter, h), (inter, h), (h, inter)]
-    sets = [[rand(n, k, scale=k**-0.5) for n, k in shapes] for _ in range(copies_for(2 * sum(n * k for n, k in
-                                                                                                  shapes)))]
-    moved = nbytes(core, res, nw, *sets[0]) + nbytes(res)
-
-    def three(wo, wg, wu, wd):
-        hid = torch.ops.segki.linear(core, wo, None, res)
-        return torch.ops.segki.linear(torch.ops.segki.gated_mlp_front(hid, wg, wu, nw, 1e-6, True), wd, None, hid)
-
-    fused = [lambda w=w: torch.ops.segki.layer_tail(core, w[0], None, res, nw, 1e-6, True, *w[1:]) for w in sets]
-    ref = graph_time_us([lambda w=w: R.layer_tail(core, w[0], None, res, nw, 1e-6, True, *w[1:]) for w in sets])
-    return [row(model, "layer_tail (one launch)", batch, moved, graph_time_us(fused), ref, bw),
-            row(model, "layer_tail as three launches", batch, moved, graph_time_us([lambda w=w: three(*w)
-                                                                                     for w in sets]), ref, bw)]
 
 
 def row(model, name, batch, moved, us_native, us_torch, bw, **extra):
@@ -230,9 +208,6 @@ def main() -> None:
                 rows.append(bench_gdn(model, batch, bw))
                 for t in (0.0, 1.0):
                     rows.append(bench_sampling(model, batch, t, bw))
-            if "tail" in on and batch <= 4:
-                rows += bench_layer_tail(model, batch, bw)
-                print(*rows[-2:], sep="\n", flush=True)
             if "attention" in on:
                 pairs = ([(n, args.attn_cache) for n in args.attn_valid] if args.attn_valid
                          else [(8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)])

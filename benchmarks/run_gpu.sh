@@ -24,12 +24,6 @@
 #           (gdn/ncu.csv/md) and decode at 8, 16 and 32 rows (gdn/decode.json/md)
 #   prefill benchmarks/decode.py, ours at 1 and 32 rows of one 128-token prompt: its prefill_s is the bucketed
 #           prefill replayed as a CUDA graph (prefill/decode.json/md)
-#   tail    the layer tail in one launch: its GPU tests, kernels.py --only tail at 1, 2 and 4 rows, and decode.py at
-#           1, 2 and 4 rows (TAIL_MODELS, TAIL_BATCHES) with it (default) and under SEGKI_LAYER_TAIL=0
-#           (tail_tests.log, tail_kernels/, tail_decode/tail{1,0}/)
-#   tailab  the layer tail's ring slots (SEGKI_TAIL_SLOTS 2, 3 and 6; 4 is the default) and whole tiles per block
-#           (SEGKI_TAIL_DEAL=tiles) in kernels.py, and Nsight
-#           Compute on the tail and on the copy-engine GEMVs it replaces (tailab/)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -135,34 +129,6 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/grpo_gpu.py --out "$out/grpo_$stage" --cases 9b:4x512:mb16:ckpt --runs segki \
                --devices 2 --strategy "${stage%9b}" --warm 1 > "$out/$stage.log" 2>&1
              tail -3 "$out/$stage.log" | cut -c1-300 ;;
-    tail)    timeout 300 python3 -m pytest -q tests/gpu -p no:cacheprovider -k "tail or bad_input or norms_inside" 2>&1 \
-               | tee "$out/tail_tests.log" | tail -6
-             python3 benchmarks/kernels.py --out "$out/tail_kernels" --batches 1 2 4 --only tail > "$out/tail_kernels.log" 2>&1
-             grep -E "^\| (4b|0.8b)" "$out/tail_kernels/kernels.md" | cut -d'|' -f2-8
-             for on in 1 0; do
-               SEGKI_LAYER_TAIL=$on python3 benchmarks/decode.py --out "$out/tail_decode/tail$on" --models ${TAIL_MODELS:-0.8b 4b} \
-                 --batches ${TAIL_BATCHES:-1 2 4} --hf-eager-batches --hf-compile-batches --no-graph-only \
-                 > "$out/tail_decode_$on.log" 2>&1 || tail -5 "$out/tail_decode_$on.log"
-               echo "-- SEGKI_LAYER_TAIL=$on"; grep "ours" "$out/tail_decode/tail$on/decode.md" | cut -d'|' -f2-8
-             done ;;
-    tailab)  mkdir -p "$out/tailab"
-             for run in "s2 SEGKI_TAIL_SLOTS=2" "s3 SEGKI_TAIL_SLOTS=3" "s6 SEGKI_TAIL_SLOTS=6" "tiles SEGKI_TAIL_DEAL=tiles"; do
-               set -- $run; name=$1; shift
-               env "$@" python3 benchmarks/kernels.py --out "$out/tailab/$name" --batches 1 --only tail > "$out/tailab/$name.log" 2>&1
-               echo "-- $*"; grep -E "^\| (4b|0.8b)" "$out/tailab/$name/kernels.md" | cut -d'|' -f2-8
-             done
-             stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' barrier long_scoreboard \
-               membar short_scoreboard wait lg_throttle mio_throttle drain math_pipe_throttle not_selected selected \
-               no_instruction dispatch_stall sleeping branch_resolving)
-             for run in "4b layer_tail 1" "0.8b layer_tail 1" "0.8b gemv_bulk 3"; do
-               set -- $run
-               ncu --clock-control none --kernel-name regex:"$2" --launch-skip 1 --launch-count "$3" --section SpeedOfLight \
-                 --section LaunchStats --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
-                 --metrics "${stalls%,}" --csv --page details python3 benchmarks/kernels.py --out "$out/tailab/ncu_k" \
-                 --models "$1" --batches 1 --only tail > "$out/tailab/ncu_$1_$2.csv" 2>/dev/null
-               echo "-- ncu $1 $2"; grep -E '"(Duration|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Warp Cycles Per Issued Instruction|smsp__average_warps_issue_stalled_(barrier|long_scoreboard|membar|lg_throttle|mio_throttle|wait|sleeping|short_scoreboard)_per_issue_active.ratio)"' \
-                 "$out/tailab/ncu_$1_$2.csv" | awk -F'","' '{print $(NF-2), $NF}' | head -40
-             done ;;
     *)       echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

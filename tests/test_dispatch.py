@@ -167,31 +167,3 @@ def test_the_norm_folds_where_the_copy_engine_gemv_runs_by_its_rule():
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     assert not dispatch.folds_norm(x, w, w, gated=True)
     assert not dispatch.folds_norm(x.bfloat16(), w.bfloat16(), gated=False)
-
-
-def test_the_layer_tail_runs_as_one_launch_by_its_rule():
-    """``tail_fits``, the rule :func:`dispatch.fuses_layer_tail` mirrors from csrc/layer_tail.cu's tail_plan (its
-    constants read from the source), on the decode shapes: the 0.8B and 4B layers at 1-4 rows, nothing past 4
-    rows, a K that is not a multiple of 16, or an x that leaves no room for two slots; the parts of K per tile as
-    the kernel splits it; and on the CPU, never."""
-    import re
-    from pathlib import Path
-
-    src = (Path(extension.CSRC) / "layer_tail.cu").read_text()
-    const = {name: eval(value) for name, value in re.findall(r"constexpr int (k\w+) = ([\d *]+);", src)}
-    assert const["kTailMaxRows"] == dispatch.TAIL_MAX_ROWS and const["kTailMinSlots"] == dispatch.TAIL_MIN_SLOTS
-    assert const["kTailSmemBytes"] == dispatch.TAIL_SMEM_BYTES and const["kTailMaxTiles"] == dispatch.TAIL_MAX_TILES
-    assert const["kPartCols"] == dispatch.TAIL_PART_COLS and const["kRowSkew"] == dispatch.TAIL_ROW_SKEW
-    parts = dispatch.tail_parts
-    assert [parts(k) for k in (1024, 2048, 2560, 3584, 4096, 9216, 144, 136, 0)] == [1, 2, 4, 4, 4, 9, 1, 0, 0]
-    fits = dispatch.tail_fits
-    for rows in (1, 2, 3, 4):
-        assert fits(rows, 2048, 1024, 3584, 2)          # 0.8B: GDN out_proj / attention o_proj, gate|up, down
-        assert fits(rows, 4096, 2560, 9216, 2)          # 4B
-    assert not fits(5, 2048, 1024, 3584, 2)
-    assert not fits(1, 2048, 1024, 3592, 2)            # 3592 is not a multiple of 16
-    assert not fits(4, 2048, 1024, 24576, 2)           # x of 192 KB and two 33 KB slots over 220 KB
-    assert not fits(1, 2048, 16384, 65536, 2)          # 1024 + 8192 + 1024 tiles over 4096
-    x, wo, wg, wd = torch.randn(1, 1, 64), torch.randn(64, 32), torch.randn(96, 64), torch.randn(64, 96)
-    assert not dispatch.fuses_layer_tail(x, wo, wg, wg, wd)
-    assert not dispatch.fuses_layer_tail(x.bfloat16(), wo.bfloat16(), wg.bfloat16(), wg.bfloat16(), wd.bfloat16())

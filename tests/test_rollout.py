@@ -251,34 +251,6 @@ def test_norms_inside_the_projections_decode_exactly_like_the_separate_norms(tmp
     assert calls == ["rms_norm"], calls   # the final norm only: the layers call none
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_layer_tail_as_one_op_decodes_exactly_like_the_separate_projections(tmp_path, monkeypatch, dtype):
-    """Where a decoder layer's tail -- output projection, residual, norm2, MLP, residual -- runs as one launch
-    (``ops.fuses_layer_tail``, forced here: on a GPU 1-2 rows), the mixer hands its core to ``ops.layer_tail`` and
-    the layer calls nothing else after it. The same roundings: tokens and log-probs equal the separate ops' exactly,
-    on the GDN and the attention layers."""
-    from segki_lightning import ops
-
-    model = build_model("qwen3_5", tmp_path, dtype=dtype)
-    prompts = random_prompts([5, 9, 3])
-    cfg = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=3)
-    separate = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False).generate(prompts, cfg)
-    calls = []
-    for name in ("layer_tail", "add_rms_norm", "gated_mlp_front", "linear"):
-        real = getattr(ops, name)
-        monkeypatch.setattr(ops, name,
-                            lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
-    monkeypatch.setattr(ops, "fuses_layer_tail", lambda *a, **k: True)
-    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False)
-    tail = engine.generate(prompts, cfg)
-    assert torch.equal(tail.completion_ids, separate.completion_ids)
-    assert torch.equal(tail.logprobs, separate.logprobs)
-    calls.clear()
-    with torch.no_grad():
-        engine._step(4)
-    assert calls == ["layer_tail"] * model.config.num_hidden_layers, calls
-
-
 def test_a_hooked_input_norm_keeps_its_own_call_at_decode(tmp_path):
     """A forward hook on a decoder layer's input norm must see every call, so that layer keeps the norm as its own
     op at decode (the fold would skip the module)."""

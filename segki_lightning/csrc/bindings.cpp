@@ -2,8 +2,6 @@
 // kernel (TORCH_LIBRARY_IMPL in the .cu file); the pure-PyTorch references live in
 // segki_lightning/ops/reference with the same names and signatures. The projections that follow a norm in a
 // decoder layer take it as an optional prologue (norm_w, norm_eps, norm_unit_offset): their x is normalized first.
-// layer_tail is a decoder layer after its mixer's core at a decode step: output projection + residual, the
-// post-attention norm, the SiLU-gated MLP, + residual.
 #include <torch/library.h>
 
 TORCH_LIBRARY(segki, m) {
@@ -18,8 +16,6 @@ TORCH_LIBRARY(segki, m) {
   m.def("gdn_in_proj_conv(Tensor x, Tensor w_qkv, Tensor w_z, Tensor w_b, Tensor w_a, Tensor(a!) conv_state,"
         " Tensor conv_weight, Tensor? conv_bias, Tensor? norm_w=None, float norm_eps=0.0,"
         " bool norm_unit_offset=False) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("layer_tail(Tensor core, Tensor w_out, Tensor? b_out, Tensor residual, Tensor norm_w, float norm_eps,"
-        " bool norm_unit_offset, Tensor w_gate, Tensor w_up, Tensor w_down) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale,"

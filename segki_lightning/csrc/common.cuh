@@ -141,14 +141,6 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
-// The four 8x8 b16 matrices whose row addresses lanes 8j..8j+7 give, into r[j] (PTX's ldmatrix fragments: lane L
-// holds row L / 4, columns 2 (L % 4) and 2 (L % 4) + 1 of each). Shared memory only.
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(static_cast<unsigned>(__cvta_generic_to_shared(p))));
-}
-
 // N sums over the whole block at once (blockDim.x a multiple of 32, at most 1024), each in block_sum's order, with
 // one pair of barriers; every thread gets every result.
 template <int N>

@@ -137,11 +137,10 @@ def _attention_decode_call(self: nn.Module, args: tuple, kwargs: dict) -> functo
 
 def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables: tuple[Tensor, Tensor],
                       k_cache: Tensor, v_cache: Tensor, positions: Tensor, lengths: Tensor,
-                      norm: nn.Module | None = None, residual: Tensor | None = None, tail: Any = None) -> Tensor:
+                      norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """``x [B, 1, H]`` -> ``[B, 1, H]``; the new key/value land in the caches at ``positions``, attention
     reads ``[0, lengths[b])``. ``norm``: an injected RMSNorm applied to x first, in the QKV projection;
-    ``residual [B, 1, H]``: added in the output projection; ``tail``: the decoder layer's, which takes the core
-    ``[B, Hq*D]`` from here (output projection included)."""
+    ``residual [B, 1, H]``: added in the output projection."""
     bsz, d = x.shape[0], s.head_dim
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
     q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias,
@@ -153,8 +152,6 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
                                    s.gated)                                                       # [B, Hq, D]
     gate = q.view(bsz, s.num_heads, 2 * d)[..., d:] if s.gated else None                         # [B, Hq, D]
     out = ops.decode_attention(query, k_cache, v_cache, lengths, s.scaling, gate)                 # [B, Hq, D]
-    if tail is not None:
-        return tail(out.view(bsz, -1))
     res = residual[:, 0] if residual is not None else None
     return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias, res).view(bsz, 1, -1)
 
@@ -231,25 +228,22 @@ def _gdn_decode_call(self: nn.Module, x: Tensor, cache: Any) -> functools.partia
 
 
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-                norm: nn.Module | None = None, residual: Tensor | None = None, tail: Any = None) -> Tensor:
+                norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """One token per row against a static cache's states (updated in place): the fused decode step. Where
     :func:`ops.fuses_gdn_conv` says so (one row) the conv runs in the input projection's epilogue (two launches
     before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
-    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``; ``tail``: the
-    decoder layer's, which takes the core ``[B, Hv*Dv]`` from here (``out_proj`` included)."""
+    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``."""
     bsz, h, pro = x.shape[0], x[:, 0], norm_prologue(norm)                         # h [B, K]
     w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
-    state = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
-             s.head_v_dim)
+    tail = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
+            s.head_v_dim)
     if ops.fuses_gdn_conv(h, *w, *conv):
         mixed, z, b, a = ops.gdn_in_proj_conv(h, *w, *conv, **pro)                  # [B, C] [B, Hv*Dv] [B, Hv] x2
-        core = ops.gdn_recurrent_step(mixed, z, b, a, *state)                      # [B, Hv*Dv]
+        core = ops.gdn_recurrent_step(mixed, z, b, a, *tail)                       # [B, Hv*Dv]
     else:
         qkv, z, b, a = ops.gdn_in_proj(h, *w, **pro)
-        core = ops.gdn_decode_step(qkv, z, b, a, *conv, *state)
-    if tail is not None:
-        return tail(core)
+        core = ops.gdn_decode_step(qkv, z, b, a, *conv, *tail)
     res = residual[:, 0] if residual is not None else None
     return ops.linear(core, self.out_proj.weight, None, res).view(bsz, 1, -1)
 
@@ -336,35 +330,10 @@ def _decode_layer(self: nn.Module, s: LayerSpec, x: Tensor, mixer_step: functool
     """A decode step of the layer, ``x [B, 1, H]``: norm1 inside the mixer's input projection. Where the MLP
     front takes norm2 inside its launch too (:func:`ops.folds_norm`: the 0.8B shapes at 1-2 rows), the first
     residual add moves into the mixer's output projection, so that no launch is left between the projections;
-    elsewhere norm2 stays fused with that add. The same roundings either way (the projection rounded, then the sum
-    rounded). Where the whole tail -- output projection, residual, norm2, MLP, residual -- runs as one launch
-    (:func:`ops.fuses_layer_tail`: 1-2 rows), the mixer hands its core to it: the same roundings, other sums (its
-    products run on the tensor cores)."""
+    elsewhere norm2 stays fused with that add. The same roundings either way (the projection rounded, then the
+    sum rounded)."""
     mlp = self.mlp
-    tail = _layer_tail(self, s, x) if _plain(mlp, gated_mlp_forward) else None
-    if tail is not None:
-        return mixer_step(norm=self.input_layernorm, tail=tail)                    # [B, 1, H]
     if _plain(mlp, gated_mlp_forward) and ops.folds_norm(x, mlp.gate_proj.weight, mlp.up_proj.weight, gated=True):
         h = mixer_step(norm=self.input_layernorm, residual=x)                      # [B, 1, H] = x + mixer(norm1(x))
         return gated_mlp_forward(mlp, h, h, norm=self.post_attention_layernorm)
     return _mlp_half(self, s, mixer_step(norm=self.input_layernorm), x)
-
-
-def _layer_tail(self: nn.Module, s: LayerSpec, x: Tensor) -> Any:
-    """The decode step's tail of this layer as one op (:func:`ops.layer_tail`), a function of the mixer's core
-    ``[B, N]`` -> ``[B, 1, H]``, where it runs as one native launch on these weights; else None. ``x [B, 1, H]``: the
-    layer's input, the first residual."""
-    mlp, mixer = self.mlp, getattr(self, s.mixer)
-    proj = getattr(mixer, "o_proj" if s.mixer == "self_attn" else "out_proj", None)
-    if not isinstance(proj, nn.Linear) or proj.bias is not None or _hooked(proj):
-        return None
-    ws = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-    if not ops.fuses_layer_tail(x, proj.weight, *ws):
-        return None
-    norm, post = self.post_attention_layernorm, s.post_norm
-
-    def tail(core: Tensor) -> Tensor:
-        return ops.layer_tail(core, proj.weight, None, x[:, 0], norm.weight, post.eps, post.unit_offset,
-                              *ws).unsqueeze(1)
-
-    return tail

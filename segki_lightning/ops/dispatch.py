@@ -54,16 +54,6 @@ FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as th
 # one run): 1 row +5.4 % (1113 -> 1173 tok/s), 2 rows +1.8 %, 4 rows -3.2 % (each block normalizes every row
 # before its dot products; that grows with the rows, the launch saved does not).
 FOLD_ROWS = 2
-# A decoder layer's output projection, post-attention norm and MLP as ONE launch at a decode step (csrc/
-# layer_tail.cu): one block per SM streams all three weights through one ring of copy-engine slots, across the
-# ops' boundaries, and multiplies each slot's 16-row tile on the tensor cores, instead of three launches that each
-# pay their ramp and tail. SEGKI_LAYER_TAIL=0 keeps the three launches (for comparisons). Its rule, mirrored by
-# tail_fits: 1-4 rows, every K a multiple of 16, at most 4096 tiles of 16 weight rows, the widest x and two slots
-# (16 rows of at most 1024 columns of K, + 16 bytes each) within 220 KB of shared memory, 16-byte aligned weights,
-# sm_90. TAIL_ROWS: the rows where the layers use it.
-LAYER_TAIL = os.environ.get("SEGKI_LAYER_TAIL", "1") != "0"
-TAIL_ROWS, TAIL_MAX_ROWS, TAIL_SMEM_BYTES, TAIL_MIN_SLOTS = 2, 4, 220 * 1024, 2
-TAIL_PART_COLS, TAIL_ROW_SKEW, TAIL_MAX_TILES = 1024, 8, 4096
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -198,47 +188,6 @@ def bulk_gemv_fits(rows: int, k: int, elem_size: int, weight_bytes: int, gated: 
     return x_bytes + 2 * (BULK_CHUNK_BYTES // row_bytes) * row_bytes <= BULK_SMEM_BYTES
 
 
-def tail_parts(k: int) -> int:
-    """Parts of K per layer-tail tile (csrc/layer_tail.cu: tail_parts): the fewest with at most 1024 columns each
-    and a whole number of 16-column k-steps; 0 where K is not a multiple of 16."""
-    if k <= 0 or k % 16:
-        return 0
-    p = -(-k // TAIL_PART_COLS)
-    while k % (16 * p):
-        p += 1
-    return p
-
-
-def tail_fits(rows: int, k_out: int, hidden: int, inter: int, elem_size: int) -> bool:
-    """The layer-tail kernel's size rule (csrc/layer_tail.cu: tail_plan) for ``rows`` of a mixer core ``[rows,
-    k_out]``, a hidden size and an MLP width."""
-    widths = (k_out, hidden, inter)
-    if not 1 <= rows <= TAIL_MAX_ROWS or not all(tail_parts(k) for k in widths):
-        return False
-    if -(-hidden // 16) * 2 + -(-inter // 8) > TAIL_MAX_TILES:
-        return False
-    x_bytes = max(-(-rows * k * elem_size // 128) * 128 for k in widths)
-    slot_bytes = 16 * (max(k // tail_parts(k) for k in widths) + TAIL_ROW_SKEW) * elem_size
-    return x_bytes + TAIL_MIN_SLOTS * slot_bytes <= TAIL_SMEM_BYTES
-
-
-def fuses_layer_tail(x: Tensor, w_out: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> bool:
-    """Whether :func:`layer_tail` runs as one native launch for the decoder layer input ``x [..., H]`` (its rows):
-    at most ``TAIL_ROWS`` rows, the kernel's size rule (:func:`tail_fits`), 16-byte aligned weights, sm_90, and
-    the native ops' eligibility. Elsewhere the layer keeps its separate projections."""
-    if not LAYER_TAIL or x.device.type != "cuda" or x.dim() < 1 or x.shape[-1] == 0:
-        return False
-    rows, h = x.numel() // x.shape[-1], x.shape[-1]
-    shapes = (w_out.dim() == w_gate.dim() == w_down.dim() == 2 and w_out.shape[0] == h and w_gate.shape[1] == h
-              and w_up.shape == w_gate.shape and tuple(w_down.shape) == (h, w_gate.shape[0]))
-    if not shapes or rows > TAIL_ROWS or not tail_fits(rows, w_out.shape[1], h, w_gate.shape[0], x.element_size()):
-        return False
-    if any(w.data_ptr() % 16 for w in (w_out, w_gate, w_up, w_down)):
-        return False
-    return (eligible("layer_tail", x, w_out, w_gate, w_up, w_down)
-            and torch.cuda.get_device_capability(x.device)[0] >= 9)
-
-
 def _takes_norm(x: Tensor, norm_w: Tensor | None, weights: tuple[Tensor, ...], gated: bool = False) -> bool:
     """Whether a native projection that is eligible anyway should be handed the norm prologue: there is none, or
     it runs inside the launch (:func:`folds_norm`) on a weight of x's width."""
@@ -353,21 +302,6 @@ def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias
     if fuses_gdn_conv(x, *ws, *conv):
         return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv))
     return reference.gdn_in_proj_conv(x, *ws, *conv)
-
-
-def layer_tail(core: Tensor, w_out: Tensor, b_out: Tensor | None, residual: Tensor, norm_w: Tensor, norm_eps: float,
-               norm_unit_offset: bool, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    """See :func:`reference.layer_tail`. One native launch where :func:`fuses_layer_tail` says so (and there is no
-    output bias: its products on the tensor cores, within the dtype's tolerance of the separate ops); else the
-    separate ops -- the output projection with the residual add in its epilogue, the gated front with the norm
-    prologue, the down projection with the residual."""
-    ok = b_out is None and core.dim() == 2 and residual.dim() == 2 and core.shape[0] == residual.shape[0]
-    if ok and fuses_layer_tail(residual, w_out, w_gate, w_up, w_down) and eligible("layer_tail", core, residual,
-                                                                                   norm_w):
-        return _native("layer_tail")(core, w_out, None, residual, norm_w, norm_eps, norm_unit_offset, w_gate, w_up,
-                                     w_down)
-    h = linear(core, w_out, b_out, residual)                                                   # [..., H]
-    return linear(gated_mlp_front(h, w_gate, w_up, norm_w, norm_eps, norm_unit_offset), w_down, None, h)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:

@@ -34,11 +34,6 @@ def _gdn_in_conv(x, wqkv, wz, wb, wa, conv_state, conv_weight, conv_bias, norm_w
     return tuple(_out(x, w.shape[0]) for w in (wqkv, wz, wb, wa))
 
 
-@torch.library.register_fake("segki::layer_tail")
-def _layer_tail(core, w_out, b_out, residual, norm_w, norm_eps, norm_unit_offset, w_gate, w_up, w_down):
-    return torch.empty_like(residual)
-
-
 @torch.library.register_fake("segki::rms_norm")
 def _rms(x, w, eps, unit_offset):
     return torch.empty_like(x)

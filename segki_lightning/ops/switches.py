@@ -23,12 +23,6 @@ KERNEL_SWITCHES = {
                             "(e.g. gated_mlp_front:32,linear:16)"),
     "SEGKI_FOLD_NORM": (("0", "1"), "0: at 1-2 rows each decoder-layer norm as its own kernel, not inside the "
                                     "copy-engine GEMV after it"),
-    "SEGKI_LAYER_TAIL": (("0", "1"), "0: at 1-2 decode rows a decoder layer's output projection, norm and MLP as "
-                                     "three launches, not one (csrc/layer_tail.cu)"),
-    "SEGKI_TAIL_SLOTS": (tuple("2345678"), "copy-engine slots (16 weight rows x up to 1024 columns) per block of "
-                                           "the layer tail (4)"),
-    "SEGKI_TAIL_DEAL": (("tiles", "slots"), "tiles: the layer tail deals whole 16-row tiles to its blocks (no tile "
-                                            "split over blocks; default slots: contiguous slot ranges)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }

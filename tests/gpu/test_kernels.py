@@ -647,78 +647,6 @@ def test_dispatch_hands_the_norm_to_the_projection_only_where_its_launch_runs_it
         assert dispatch.folds_norm(x, wg, wu, gated=True) == (len(want) == 1)
 
 
-# (name, K of the mixer's core, H, I): a decoder layer's tail on the decode shapes (0.8B: tiles split over blocks in
-# the output and down projections; 4B: 4-9 parts of K per tile), and a small one (one part per tile, fewer slots
-# than blocks in every op, 5 of 8 k-steps per warp)
-TAIL_SHAPES = {"08b": (2048, 1024, 3584), "4b": (4096, 2560, 9216), "small": (144, 80, 208)}
-
-
-def tail_inputs(shape, rows, dtype):
-    k, h, i = TAIL_SHAPES[shape]
-    return dict(core=randn(rows, k, dtype=dtype), w_out=randn(h, k, dtype=dtype, scale=k**-0.5),
-                residual=randn(rows, h, dtype=dtype), norm_w=randn(h, dtype=dtype, scale=0.3),
-                w_gate=randn(i, h, dtype=dtype, scale=h**-0.5), w_up=randn(i, h, dtype=dtype, scale=h**-0.5),
-                w_down=randn(h, i, dtype=dtype, scale=i**-0.5))
-
-
-def layer_tail(t, unit_offset=True):
-    return torch.ops.segki.layer_tail(t["core"], t["w_out"], None, t["residual"], t["norm_w"], 1e-6, unit_offset,
-                                      t["w_gate"], t["w_up"], t["w_down"])
-
-
-def tail_in_three_launches(t, unit_offset=True):
-    ops = torch.ops.segki
-    h = ops.linear(t["core"], t["w_out"], None, t["residual"])
-    a = ops.gated_mlp_front(h, t["w_gate"], t["w_up"], t["norm_w"], 1e-6, unit_offset)
-    return ops.linear(a, t["w_down"], None, h)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("shape", list(TAIL_SHAPES))
-def test_the_layer_tail_matches_the_reference_and_the_three_launches(shape, rows, unit_offset, dtype):
-    """One launch for the output projection + residual, the post-attention norm, the gated MLP and its residual is
-    within the dtype's tolerance of the fp32 reference, element by element, and of the three native launches it
-    replaces (other sums: tensor-core tiles instead of CUDA-core rows). Its intermediate rows and output poisoned
-    with NaN first; two calls give the same bits (the split tiles' pieces are summed in a fixed order)."""
-    k, h, i = TAIL_SHAPES[shape]
-    t = tail_inputs(shape, rows, dtype)
-    poison((rows, h), (rows, i), (rows, h), dtype=dtype)
-    got = layer_tail(t, unit_offset)
-    three = tail_in_three_launches(t, unit_offset)
-    ref = R.layer_tail(*f32(t["core"], t["w_out"]), None, *f32(t["residual"], t["norm_w"]), 1e-6, unit_offset,
-                       *f32(t["w_gate"], t["w_up"], t["w_down"]))
-    assert got.dtype == dtype and got.shape == (rows, h)
-    assert rel_err(got, ref) < TOL[dtype]
-    assert_every_element(got, ref, dtype)
-    assert rel_err(got, three) < TOL[dtype]
-    assert torch.equal(layer_tail(t, unit_offset), got)
-
-
-def test_layer_tails_replay_in_a_cuda_graph_and_run_many_in_a_row():
-    """Two layer tails in a row in one CUDA graph (the second's residual is the first's output) replay with new
-    inputs and give the eager launches' bits; 70 eager launches in a row (past the kernel's 8 groups of arrival
-    counters, each launch leaving its group's op and tile counters reset) give one result."""
-    dtype = torch.bfloat16
-    a, b = tail_inputs("08b", 2, dtype), tail_inputs("08b", 2, dtype)
-
-    def step():
-        first = layer_tail(a)
-        return first, layer_tail(dict(b, residual=first))
-
-    graph, outs = captured(step)
-    for _ in range(3):
-        for t in (a["core"], a["residual"], b["core"]):
-            t.copy_(torch.randn_like(t, dtype=torch.float32).to(dtype))
-        graph.replay()
-        want = step()
-        assert torch.equal(outs[0], want[0]) and torch.equal(outs[1], want[1])
-    first = layer_tail(a)
-    for _ in range(70):
-        assert torch.equal(layer_tail(a), first)
-
-
 BAD_INPUT_CALLS = """
 import torch
 from segki_lightning.ops.extension import native_ops
@@ -736,10 +664,6 @@ calls = {
         torch.randn(1, 384, 4, **bf), torch.randn(384, 4, **bf), None,
         torch.zeros(2, 2, 64, 64, device="cuda"), torch.randn(2, **bf), torch.randn(2, **bf),
         torch.ones(64, **bf), 1e-6, 2, 64, 64),
-    "layer_tail": lambda: ops.layer_tail(torch.randn(5, 64, **bf), torch.randn(72, 64, **bf), None,
-                                         torch.randn(5, 72, **bf), torch.randn(72, **bf), 1e-6, True,
-                                         torch.randn(96, 72, **bf), torch.randn(96, 72, **bf),
-                                         torch.randn(72, 96, **bf)),
 }
 for name, call in calls.items():
     try:
@@ -776,7 +700,6 @@ def test_a_native_op_raises_on_bad_input_instead_of_crashing():
     assert "gdn_in_proj_conv raised: segki::gdn_in_proj_conv: conv_state" in proc.stdout, proc.stdout
     assert "gdn_decode_step raised: segki::gdn_decode_step: conv_state" in proc.stdout, proc.stdout
     assert "gated_mlp_front raised: segki::gated_mlp_front: norm_w" in proc.stdout, proc.stdout
-    assert "layer_tail raised: segki::layer_tail: 5 rows" in proc.stdout, proc.stdout
 
 
 def sampling_args(b, temperature, top_k=0, top_p=1.0):

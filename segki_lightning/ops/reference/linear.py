@@ -60,12 +60,3 @@ def gdn_in_proj(
     ``z [..., Hv*Dv]``, ``b [..., Hv]``, ``a [..., Hv]``."""
     x = normed_input(x, norm_w, norm_eps, norm_unit_offset)
     return F.linear(x, w_qkv), F.linear(x, w_z), F.linear(x, w_b), F.linear(x, w_a)
-
-
-def layer_tail(core: Tensor, w_out: Tensor, b_out: Tensor | None, residual: Tensor, norm_w: Tensor, norm_eps: float,
-               norm_unit_offset: bool, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
-    """A pre-norm decoder layer after its mixer's core: ``h = residual + core @ w_out^T (+ b_out)``, then
-    ``h + gated_mlp_front(rms_norm(h)) @ w_down^T``. ``core [..., K]``, ``residual [..., H]``, ``w_out [H, K]``,
-    ``w_gate``/``w_up [I, H]``, ``w_down [H, I]`` -> ``[..., H]``; the roundings of the separate ops."""
-    h = linear(core, w_out, b_out, residual)
-    return linear(gated_mlp_front(h, w_gate, w_up, norm_w, norm_eps, norm_unit_offset), w_down, None, h)
