@@ -22,7 +22,7 @@ one or two blocks per SM with nothing but a fold of the words, in variants that 
   1024 columns; ~20 instructions per warp and slot against ``dot_row``'s ~250): if it streams where ``dot_row``
   does not, a one-block-per-SM ring is bound by its per-slot work (``results/layer_tail/``), not by the copies;
 - ``rows``: ``ring`` with each slot filled by 16 copies, each one row's part of a 16-row tile (the share read as
-  rows of four parts), as the layer tail fills its slots: whether 16 copies of 1-2 KB per slot stream as one
+  rows of four parts), as the removed tensor-core layer tail filled its slots (``results/mma_ring/``): whether 16 copies of 1-2 KB per slot stream as one
   copy of the slot does;
 - ``loads``: no copy engine, each thread keeps four 16-byte register loads in flight (the register path's rate
   on the same shares, for reference);
