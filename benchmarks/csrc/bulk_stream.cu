@@ -8,10 +8,10 @@
 //   kProducer  warp 0 only issues: it refills a slot as soon as the 7 reading warps have arrived on the slot's
 //              `empty` barrier, with no block barrier (the warp-specialized pipeline);
 //   kSplit4    kRing with each slot filled by four copies from four lanes;
-//   kRows      kRing with each slot filled as the removed tensor-core layer tail filled one (results/mma_ring/): 16
-//              copies from lanes 0-15, each one row's part of a tile -- the share read as rows of 4 parts of chunk / 16 bytes, slot c
-//              holding part c % 4 of rows 16 (c / 4) .. 16 (c / 4) + 15 (at 20 KB slots, the 4B gate|up's 1280-byte
-//              copies at a 5120-byte row stride);
+//   kRows      kRing with each slot filled as the removed tensor-core layer tail filled one (results/mma_ring/):
+//              16 copies from lanes 0-15, each one row's part of a tile -- the share read as rows of 4 parts of
+//              chunk / 16 bytes, slot c holding part c % 4 of rows 16 (c / 4) .. 16 (c / 4) + 15 (at 20 KB slots,
+//              the 4B gate|up's 1280-byte copies at a 5120-byte row stride);
 //   kStore     kRing where every warp's lane 0 also stores one word to global memory per slot before the block
 //              barrier, as the GEMV stores its outputs (the refill's proxy fence compiles to MEMBAR.ALL.CTA: if
 //              that waits for the issuing warp's stores, each refill pays a round trip);
