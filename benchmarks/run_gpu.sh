@@ -14,7 +14,7 @@
 #   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
 #   stream  benchmarks/bulk_stream.py: a block's copy-engine stream, bare and with GEMV products (bulk_stream/)
-#   skinny  benchmarks/skinny_bulk.py: a 16/32-row GEMM through the copy engine onto tensor cores vs cuBLAS (skinny/)
+#   skinny  benchmarks/skinny.py: the skinny product (1-16 rows) vs cuBLAS and the GEMVs, 4B and 0.8B (skinny/)
 #   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
 #           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
@@ -72,8 +72,8 @@ for stage in "${stages[@]}"; do
              tail -20 "$out/barrier.log" | cut -c1-160 ;;
     stream)  python3 benchmarks/bulk_stream.py --out "$out/bulk_stream" > "$out/stream.log" 2>&1
              grep -E "^\| " "$out/bulk_stream/bulk_stream.md" | cut -c1-110 ;;
-    skinny)  python3 benchmarks/skinny_bulk.py --out "$out/skinny" > "$out/skinny.log" 2>&1
-             grep -E "^\| " "$out/skinny/skinny_bulk.md" | cut -c1-120 ;;
+    skinny)  python3 benchmarks/skinny.py --out "$out/skinny" > "$out/skinny.log" 2>&1 || tail -5 "$out/skinny.log"
+             grep -E "^\| " "$out/skinny/skinny.md" | cut -d'|' -f2-13 ;;
     attn)    for variant in online batched; do
                SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \
                  --batches 1 --only attention --attn-valid 512 2048 8192 16384 32768 > "$out/attn_$variant.log" 2>&1

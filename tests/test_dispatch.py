@@ -167,3 +167,38 @@ def test_the_norm_folds_where_the_copy_engine_gemv_runs_by_its_rule():
     x, w = torch.randn(1, 64), torch.randn(32, 64)
     assert not dispatch.folds_norm(x, w, w, gated=True)
     assert not dispatch.folds_norm(x.bfloat16(), w.bfloat16(), gated=False)
+
+
+def test_skinny_rule_parts_of_k_and_shared_memory():
+    """The skinny product's parts of K (a divisor of K, a multiple of 256, nearest 1280: row copies of 2-4 KB) and
+    its size rule (x and three slots in 218 KB), as csrc/skinny.cu plans them."""
+    assert [dispatch.skinny_part_cols(k) for k in (2560, 4096, 9216, 1024, 3584, 512, 8200, 72)] == \
+        [1280, 1024, 1024, 1024, 1792, 512, 0, 0]
+    fits = dispatch.skinny_fits
+    assert fits(16, 2560, 18432, 2) and fits(16, 2560, 12352, 2) and fits(1, 2560, 248320, 2)
+    assert fits(8, 4096, 2560, 2) and not fits(16, 4096, 2560, 2)         # x of 16 rows x 4096 leaves 2 slots
+    assert fits(4, 9216, 2560, 2) and not fits(8, 9216, 2560, 2)
+    assert not fits(17, 2560, 18432, 2) and not fits(0, 2560, 18432, 2)
+    assert not fits(1, 2560, 250, 2)                                      # whole 16-row tiles only
+    assert not fits(1, 8200, 256, 2)                                      # no part of K
+
+
+def test_skinny_reference_is_the_linear_and_gated_front_references():
+    from segki_lightning.ops import reference as R
+
+    x, wg, wu, res = torch.randn(3, 64), torch.randn(32, 64), torch.randn(32, 64), torch.randn(3, 32)
+    packed = torch.cat([wg, wu])
+    assert torch.equal(R.skinny_linear(x, packed, gated=True), R.gated_mlp_front(x, wg, wu))
+    assert torch.equal(R.skinny_linear(x, wg, res), R.linear(x, wg, None, res))
+    assert torch.equal(ops.skinny_linear(x, wg, res), R.linear(x, wg, None, res))   # CPU: the reference
+
+
+def test_skinny_path_stays_off_cpu_and_off_small_weights(monkeypatch):
+    """On CPU tensors, or 0.8B-sized weights past their GEMV rows, the projections never reach the skinny op."""
+    monkeypatch.setattr(dispatch, "_native", lambda op: pytest.fail(f"native {op} called"))
+    w = torch.randn(2560, 9216, dtype=torch.bfloat16)
+    assert dispatch._skinny(torch.randn(4, 9216, dtype=torch.bfloat16), w) is None
+    monkeypatch.setattr(dispatch, "SKINNY", "1")
+    assert not dispatch._skinny_first("linear", torch.randn(1, 1024), torch.empty(1024, 3584, device="meta"))
+    assert dispatch._skinny_first("linear", torch.randn(1, 9216), torch.empty(2560, 9216, device="meta"))
+    assert not dispatch._skinny_first("linear", torch.randn(2, 9216), torch.empty(2560, 9216, device="meta"))

@@ -13,6 +13,11 @@ def _linear(x, w, b, residual=None):
     return _out(x, w.shape[0])
 
 
+@torch.library.register_fake("segki::skinny_linear")
+def _skinny(x, w, residual=None, gated=False):
+    return _out(x, w.shape[0] // 2 if gated else w.shape[0])
+
+
 @torch.library.register_fake("segki::gated_mlp_front")
 def _gated(x, wg, wu, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
     return _out(x, wg.shape[0])

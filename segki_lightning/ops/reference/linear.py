@@ -26,6 +26,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     return out if residual is None else residual + out
 
 
+def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False) -> Tensor:
+    """One product over a (packed) weight ``[R, K]``: :func:`linear` without bias, or with ``gated`` the weight's
+    first half of rows as the gate and the second as up, ``silu_mul(x @ gate^T, x @ up^T)`` -> ``[..., R / 2]``."""
+    if gated:
+        return silu_mul(*F.linear(x, weight).chunk(2, dim=-1))
+    return linear(x, weight, None, residual)
+
+
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
                     norm_unit_offset: bool = False) -> Tensor:
     """``silu(x @ w_gate^T) * (x @ w_up^T)``: ``x [..., K]``, ``w_* [I, K]`` -> ``[..., I]``.

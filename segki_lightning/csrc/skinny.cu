@@ -1,0 +1,344 @@
+// Skinny products for 1-16 rows of x on large weights (tens of MB): out = x . W^T, every weight element read once,
+// where the GEMVs' per-row loads and cuBLAS's output tiles leave bandwidth unused (4B gate|up at 16 rows: cuBLAS
+// 57 % of copy bandwidth, its 144 128-row tiles two waves on 132 SMs).
+//
+// One block per SM, resident for the whole product. The work is a list of units (a 16-row weight tile x one part
+// of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization). Each unit is
+// copied into a ring of shared-memory slots by the copy engine (16 row copies of 2-4 KB, requested up to `slots`
+// units ahead; the first ones before the PDL wait, since weights do not depend on the previous kernel). x stays in
+// shared memory for the block's life. The 8 warps multiply an eighth of each unit's columns on tensor cores
+// (mma.m16n8k16: A = the 16 weight rows, B = up to 16 rows of x; a lane's 8 consecutive k map to fragment slots
+// {2t, 2t+1, 2t+8, 2t+9} of two k-steps, A and B alike) and sum their tiles through shared memory when a tile
+// ends. A tile split between two blocks: the later block computes its parts first and publishes the partial sums;
+// the earlier block adds them to its own at its end (the same order every launch: deterministic).
+//
+// Gated (SiLU-gated MLP front, weights packed gate rows then up rows): a tile is 8 gate rows and the 8 matching up
+// rows, so each output's gate and up sums meet in one thread: out = silu(round(gate)) * round(up), as the
+// reference (two products rounded, then the fp32 epilogue) computes it.
+#include "bulk.cuh"
+#include "common.cuh"
+
+namespace segki {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 16;            // weight rows per unit (the mma's M)
+constexpr int kMaxRows = 16;         // rows of x (two mma N-groups of 8)
+constexpr int kPad = 32;             // elements after each shared-memory row: rows g and g + 1 64 bytes apart in the
+                                     // banks, so a quarter-warp's 16-byte fragment loads hit 32 distinct banks
+constexpr int kMaxSlots = 6;
+constexpr int kMinSlots = 3;
+constexpr int kSmemBytes = 218 * 1024;  // dynamic: the ring and x (red and the barriers are static, ~8.8 KB)
+constexpr int kRedStride = kTile + 1;
+
+template <typename T>
+struct SkinnyArgs {
+  const T* x;         // [m, k]
+  const T* w;         // [rows, k]; gated: gate rows [0, n), up rows [n, 2n)
+  const T* residual;  // [m, n] added to the rounded product, or nullptr (plain only)
+  T* out;             // [m, n]
+  float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
+  int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
+  int m, k, n;        // n: output columns
+  int kp, parts;      // columns per part of K, parts per row (kp a multiple of 8 warps x 32)
+  int tiles, slots;
+};
+
+struct SkinnyPlan {
+  int kp = 0, parts = 0, slots = 0;
+  long smem = 0;
+};
+
+constexpr int kMaxGrid = 1024;  // blocks the workspace has room for
+
+// The weight row that row r (0-15) of tile t is.
+template <bool GATED, typename T>
+__device__ __forceinline__ int tile_row(const SkinnyArgs<T>& a, int t, int r) {
+  if constexpr (GATED) return r < 8 ? t * 8 + r : a.n + t * 8 + r - 8;
+  else return t * kTile + r;
+}
+
+// Warp 0: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`.
+template <bool GATED, typename T>
+__device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int u, T* slot, uint64_t* bar) {
+  const int lane = threadIdx.x & 31, t = u / a.parts, p = u - t * a.parts;
+  if (lane == 0) mbar_expect(bar, (unsigned)(kTile * a.kp * sizeof(T)));
+  __syncwarp();
+  if (lane < kTile)
+    bulk_load(slot + (size_t)lane * (a.kp + kPad), a.w + (size_t)tile_row<GATED>(a, t, lane) * a.k + (size_t)p * a.kp,
+              (unsigned)(a.kp * sizeof(T)), bar);
+}
+
+// acc[j] += this warp's columns of the unit in `slot` (part p of K) times x rows 8j..8j+7.
+template <typename T, int NB>
+__device__ __forceinline__ void mma_unit(const T* slot, const T* xs, int m, int k, int kp, int p, float acc[NB][4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int wcols = kp / kWarps, c0 = warp * wcols + t * 8;
+  const T* lo = slot + (size_t)g * (kp + kPad) + c0;
+  const T* hi = lo + (size_t)8 * (kp + kPad);
+  const T* xr[NB];
+  bool xin[NB];
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    xin[j] = 8 * j + g < m;
+    xr[j] = xs + (size_t)(xin[j] ? 8 * j + g : 0) * (k + kPad) + (size_t)p * kp + c0;
+  }
+#pragma unroll 4
+  for (int c = 0; c < wcols; c += 32) {
+    const uint4 wl = *reinterpret_cast<const uint4*>(lo + c), wh = *reinterpret_cast<const uint4*>(hi + c);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      const uint4 xv = xin[j] ? *reinterpret_cast<const uint4*>(xr[j] + c) : make_uint4(0, 0, 0, 0);
+      mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
+      mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
+    }
+  }
+}
+
+// The warp's tile sums into red [warp][x row][weight row].
+template <int NB>
+__device__ __forceinline__ void stash(const float acc[NB][4], float (*red)[kMaxRows][kRedStride]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    red[warp][8 * j + 2 * t][g] = acc[j][0];
+    red[warp][8 * j + 2 * t + 1][g] = acc[j][1];
+    red[warp][8 * j + 2 * t][g + 8] = acc[j][2];
+    red[warp][8 * j + 2 * t + 1][g + 8] = acc[j][3];
+  }
+}
+
+__device__ __forceinline__ float warps_sum(float (*red)[kMaxRows][kRedStride], int xr, int r) {
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) s += red[w][xr][r];
+  return s;
+}
+
+__device__ __forceinline__ void publish(int* flag) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+}
+
+__device__ __forceinline__ void await(int* flag) {
+  int v = 0;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+  } while (v == 0);
+}
+
+// How a block finishes tile `t` after the warps' sums are in `red`. head: the block started inside the tile, so
+// it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
+// block's published sums to its own and stores the outputs. Otherwise it stores them.
+template <typename T, bool GATED>
+__device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool head, bool tail,
+                                            float (*red)[kMaxRows][kRedStride]) {
+  const int i = threadIdx.x;
+  const int xr = i / kTile, r = i % kTile;  // one (x row, weight row) per thread: 16 x 16 = 256 threads
+  const bool mine = xr < a.m;
+  float v = mine ? warps_sum(red, xr, r) : 0.f;
+  if (head) {
+    if (mine) a.partial[(size_t)blockIdx.x * kMaxRows * kTile + i] = v;
+    __syncthreads();  // every thread's store is issued before the flag
+    if (i == 0) {
+      __threadfence();
+      publish(a.ready + blockIdx.x);
+    }
+    return;
+  }
+  if (tail) {
+    if (i == 0) await(a.ready + blockIdx.x + 1);
+    __syncthreads();
+    if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
+    if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
+  }
+  if constexpr (GATED) {
+    // gate (r < 8) and up (r + 8) of one output sit in threads i and i + 8 of the same half-warp
+    const float up = __shfl_down_sync(0xffffffffu, v, 8);
+    if (mine && r < 8) {
+      const float gv = round_to<T>(v), uv = round_to<T>(up);
+      a.out[(size_t)xr * a.n + t * 8 + r] = from_float<T>(silu(gv) * uv);
+    }
+  } else if (mine) {
+    const size_t o = (size_t)xr * a.n + (size_t)t * kTile + r;
+    float y = round_to<T>(v);
+    if (a.residual) y += to_float<T>(a.residual[o]);
+    a.out[o] = from_float<T>(y);
+  }
+}
+
+template <typename T, int NB, bool GATED>
+__global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
+  extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
+  __shared__ __align__(8) uint64_t full[kMaxSlots];
+  __shared__ float red[kWarps][kMaxRows][kRedStride];
+  T* ring = reinterpret_cast<T*>(skinny_smem);
+  const size_t slot_elems = (size_t)kTile * (a.kp + kPad);
+  T* xs = ring + a.slots * slot_elems;
+  const int units = a.tiles * a.parts;
+  const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);
+  const int u1 = (int)((long long)(blockIdx.x + 1) * units / gridDim.x);
+  const int warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < a.slots; ++s) mbar_init(&full[s]);
+    bulk_fence_init();
+  }
+  __syncwarp();
+  if (warp == 0)  // weights only: safe before the wait
+    for (int s = 0; s < a.slots && u0 + s < u1; ++s) issue_unit<GATED>(a, u0 + s, ring + s * slot_elems, &full[s]);
+  pdl_launch_dependents();
+  pdl_wait();
+  for (int i = threadIdx.x; i < a.m * a.k / 8; i += kThreads) {  // x, once
+    const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
+    *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
+  }
+  __syncthreads();  // x is in place, the barriers are initialized
+  float acc[NB][4] = {};
+  for (int u = u0; u < u1; ++u) {
+    const int c = u - u0, slot = c % a.slots, t = u / a.parts, p = u - t * a.parts;
+    mbar_wait(&full[slot], (unsigned)(c / a.slots) & 1u);
+    mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.k, a.kp, p, acc);
+    const bool ends = p == a.parts - 1 || u == u1 - 1;
+    if (ends) stash<NB>(acc, red);
+    __syncthreads();  // the slot is read (and the tile's sums are in red)
+    if (warp == 0 && u + a.slots < u1) issue_unit<GATED>(a, u + a.slots, ring + slot * slot_elems, &full[slot]);
+    if (ends) {
+      const bool head = u0 % a.parts != 0 && t == u0 / a.parts;
+      const bool tail = p != a.parts - 1;
+      finish_tile<T, GATED>(a, t, head, tail, red);
+      __syncthreads();  // red is read before the next tile's sums go in
+#pragma unroll
+      for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    }
+  }
+}
+
+// Columns per part of K: a divisor of K that is a multiple of 256 (8 warps x 32), closest to 1280 (row copies of
+// 2-4 KB: a block completes one copy per ~55 ns, so copies below 2 KB cap its stream, results/mma_ring/). 0: none.
+int part_cols(int k) {
+  int best = 0;
+  for (int p = 1; p <= 64; ++p) {
+    if (k % p != 0 || (k / p) % (kWarps * 32) != 0) continue;
+    const int kp = k / p;
+    if (best == 0 || std::abs(kp - 1280) < std::abs(best - 1280) || (std::abs(kp - 1280) == std::abs(best - 1280) && kp < best))
+      best = kp;
+  }
+  return best;
+}
+
+// The launch for x [m, k] by a weight of `rows` rows, or false where this path does not take it.
+bool skinny_plan(int m, int k, int rows, bool gated, size_t elem, SkinnyPlan& plan) {
+  if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
+  plan.kp = part_cols(k);
+  if (plan.kp == 0) return false;
+  plan.parts = k / plan.kp;
+  const long slot_bytes = (long)kTile * (plan.kp + kPad) * (long)elem;
+  const long x_bytes = (long)m * (k + kPad) * (long)elem;
+  plan.slots = (int)std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
+  if (plan.slots < kMinSlots) return false;
+  plan.smem = plan.slots * slot_bytes + x_bytes;
+  (void)gated;
+  return true;
+}
+
+// Per device: the partial sums and flags of split tiles, allocated zeroed on the first product (outside graph
+// capture: the decode engine runs each step eagerly before capturing it) and kept for the process.
+struct Workspace {
+  float* partial = nullptr;
+  int* ready = nullptr;
+};
+
+Workspace workspace(int max_grid) {
+  static std::vector<at::Tensor> keep;
+  static Workspace ws[64];
+  const int dev = c10::cuda::current_device();
+  TORCH_CHECK(dev < 64, "segki::skinny_linear: device index ", dev, " beyond 63");
+  if (ws[dev].ready == nullptr) {
+    cudaStreamCaptureStatus status;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(at::cuda::getCurrentCUDAStream(), &status));
+    TORCH_CHECK(status == cudaStreamCaptureStatusNone, "segki::skinny_linear: the first product on a device must "
+                "run outside CUDA graph capture (it allocates its workspace); run the step once before capturing");
+    auto opts = at::TensorOptions().device(at::kCUDA, dev);
+    keep.push_back(at::zeros({(long)max_grid * kMaxRows * kTile}, opts.dtype(at::kFloat)));
+    ws[dev].partial = keep.back().data_ptr<float>();
+    keep.push_back(at::zeros({(long)max_grid}, opts.dtype(at::kInt)));
+    ws[dev].ready = keep.back().data_ptr<int>();
+    C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
+  }
+  return ws[dev];
+}
+
+// The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per
+// tile (so each block has at least `parts` units and a tile spans at most two blocks).
+template <typename T, int NB, bool GATED>
+void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
+  constexpr auto kernel = skinny_kernel<T, NB, GATED>;
+  allow_dynamic_smem<kernel>(kSmemBytes);
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
+  TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
+  const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int grid = std::min({resident, a.tiles, kMaxGrid});
+  launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
+                  a);
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
+                         bool gated) {
+  const char* op = "segki::skinny_linear";
+  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
+  check_cuda_half(w, op, "weight", x.scalar_type());
+  const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(k, 1);
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == k, op, ": weight ", w.sizes(), " must be [N, ", k, "]");
+  TORCH_CHECK(!gated || w.size(0) % 2 == 0, op, ": a gated weight packs gate and up rows: an even row count");
+  TORCH_CHECK(!(gated && residual.has_value()), op, ": the gated product takes no residual");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0, op, ": the weight must start on 16 bytes");
+  const int64_t n = gated ? w.size(0) / 2 : w.size(0);
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  auto out = at::empty(shape, x.options());
+  if (residual.has_value()) {
+    check_cuda_half(*residual, op, "residual", x.scalar_type());
+    TORCH_CHECK(residual->sizes() == out.sizes(), op, ": residual ", residual->sizes(), " must match the output ",
+                out.sizes());
+  }
+  if (m == 0) return out;
+  c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
+  SkinnyPlan plan;
+  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), gated, x.element_size(), plan), op, ": x ", x.sizes(),
+              " by weight ", w.sizes(), " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile,
+              ", K with a part of 256-2048 columns, x and ", kMinSlots, " slots within ", kSmemBytes / 1024,
+              " KB); use linear");
+  const Workspace ws = workspace(kMaxGrid);
+  SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
+    SkinnyArgs<T> a{};
+    a.x = reinterpret_cast<const T*>(x.data_ptr());
+    a.w = reinterpret_cast<const T*>(w.data_ptr());
+    a.residual = residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) : nullptr;
+    a.out = reinterpret_cast<T*>(out.data_ptr());
+    a.partial = ws.partial;
+    a.ready = ws.ready;
+    a.m = (int)m;
+    a.k = (int)k;
+    a.n = (int)n;
+    a.kp = plan.kp;
+    a.parts = plan.parts;
+    a.tiles = (int)(w.size(0) / kTile);
+    a.slots = plan.slots;
+    if (gated) {
+      if (m <= 8) launch<T, 1, true>(a, plan);
+      else launch<T, 2, true>(a, plan);
+    } else {
+      if (m <= 8) launch<T, 1, false>(a, plan);
+      else launch<T, 2, false>(a, plan);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("skinny_linear", &skinny_linear); }
+
+}  // namespace segki
