@@ -5,8 +5,10 @@
 // One block per SM, resident for the whole product. The work is a list of units (a 16-row weight tile x one part
 // of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization). Each unit is
 // copied into a ring of shared-memory slots by the copy engine (16 row copies of 2-4 KB, requested up to `slots`
-// units ahead; the first ones before the PDL wait, since weights do not depend on the previous kernel). x stays in
-// shared memory for the block's life. The 8 warps multiply an eighth of each unit's columns on tensor cores
+// units ahead; the first ones before the PDL wait, since weights do not depend on the previous kernel) by a warp
+// of its own: a block completes one bulk copy per ~55 ns (results/mma_ring/), so a unit's 16 copies take ~0.9 us
+// to go out, which the first version (warp 0 issued them between its products) added to every unit. x stays in
+// shared memory for the block's life. 8 consumer warps multiply an eighth of each unit's columns on tensor cores
 // (mma.m16n8k16: A = the 16 weight rows, B = up to 16 rows of x; a lane's 8 consecutive k map to fragment slots
 // {2t, 2t+1, 2t+8, 2t+9} of two k-steps, A and B alike) and sum their tiles through shared memory when a tile
 // ends. A tile split between two blocks: the later block computes its parts first and publishes the partial sums;
@@ -21,8 +23,9 @@
 namespace segki {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+constexpr int kWarps = 8;                   // consumer warps (the tensor-core work); one more warp issues the copies
+constexpr int kConsumers = kWarps * 32;
+constexpr int kThreads = kConsumers + 32;
 constexpr int kTile = 16;            // weight rows per unit (the mma's M)
 constexpr int kMaxRows = 16;         // rows of x (two mma N-groups of 8)
 constexpr int kPad = 32;             // elements after each shared-memory row: rows g and g + 1 64 bytes apart in the
@@ -116,6 +119,13 @@ __device__ __forceinline__ float warps_sum(float (*red)[kMaxRows][kRedStride], i
   return s;
 }
 
+// A barrier of the consumer warps only (the producer warp never joins it).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 __device__ __forceinline__ void publish(int* flag) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
 }
@@ -139,7 +149,7 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
   float v = mine ? warps_sum(red, xr, r) : 0.f;
   if (head) {
     if (mine) a.partial[(size_t)blockIdx.x * kMaxRows * kTile + i] = v;
-    __syncthreads();  // every thread's store is issued before the flag
+    consumers_sync();  // every thread's store is issued before the flag
     if (i == 0) {
       __threadfence();
       publish(a.ready + blockIdx.x);
@@ -148,7 +158,7 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
   }
   if (tail) {
     if (i == 0) await(a.ready + blockIdx.x + 1);
-    __syncthreads();
+    consumers_sync();
     if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
     if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
   }
@@ -170,7 +180,7 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
 template <typename T, int NB, bool GATED>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
-  __shared__ __align__(8) uint64_t full[kMaxSlots];
+  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
   T* ring = reinterpret_cast<T*>(skinny_smem);
   const size_t slot_elems = (size_t)kTile * (a.kp + kPad);
@@ -180,33 +190,42 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   const int u1 = (int)((long long)(blockIdx.x + 1) * units / gridDim.x);
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < a.slots; ++s) mbar_init(&full[s]);
+    for (int s = 0; s < a.slots; ++s) {
+      mbar_init(&full[s]);
+      mbar_init(&empty[s], kWarps);
+    }
     bulk_fence_init();
   }
-  __syncwarp();
-  if (warp == 0)  // weights only: safe before the wait
-    for (int s = 0; s < a.slots && u0 + s < u1; ++s) issue_unit<GATED>(a, u0 + s, ring + s * slot_elems, &full[s]);
+  __syncthreads();  // the barriers are initialized before anyone uses them
+  if (warp == kWarps) {  // the producer: weights only, so its first copies go out before the PDL wait
+    pdl_launch_dependents();
+    for (int u = u0; u < u1; ++u) {
+      const int c = u - u0, slot = c % a.slots;
+      if (c >= a.slots) mbar_wait(&empty[slot], (unsigned)(c / a.slots - 1) & 1u);
+      issue_unit<GATED>(a, u, ring + slot * slot_elems, &full[slot]);
+    }
+    return;
+  }
   pdl_launch_dependents();
   pdl_wait();
-  for (int i = threadIdx.x; i < a.m * a.k / 8; i += kThreads) {  // x, once
+  for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {  // x, once
     const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
     *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
   }
-  __syncthreads();  // x is in place, the barriers are initialized
+  consumers_sync();  // x is in place
   float acc[NB][4] = {};
   for (int u = u0; u < u1; ++u) {
     const int c = u - u0, slot = c % a.slots, t = u / a.parts, p = u - t * a.parts;
     mbar_wait(&full[slot], (unsigned)(c / a.slots) & 1u);
     mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.k, a.kp, p, acc);
-    const bool ends = p == a.parts - 1 || u == u1 - 1;
-    if (ends) stash<NB>(acc, red);
-    __syncthreads();  // the slot is read (and the tile's sums are in red)
-    if (warp == 0 && u + a.slots < u1) issue_unit<GATED>(a, u + a.slots, ring + slot * slot_elems, &full[slot]);
-    if (ends) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);  // this warp is done with the slot
+    if (p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
+      stash<NB>(acc, red);
+      consumers_sync();
       const bool head = u0 % a.parts != 0 && t == u0 / a.parts;
-      const bool tail = p != a.parts - 1;
-      finish_tile<T, GATED>(a, t, head, tail, red);
-      __syncthreads();  // red is read before the next tile's sums go in
+      finish_tile<T, GATED>(a, t, head, p != a.parts - 1, red);
+      consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     }

@@ -7,10 +7,17 @@ import pytest
 import torch
 
 from segki_lightning.ops import dispatch, reference as R
+from segki_lightning.ops.extension import native_ops
 
 from .test_kernels import DTYPES, TOL, assert_every_element, captured, f32, poison, randn, rel_err
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    if native_ops() is None:
+        pytest.fail("the segki extension did not build/load on this GPU machine")
 
 # name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, and small ones whose tiles split
 # over blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks)
