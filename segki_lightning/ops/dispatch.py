@@ -56,12 +56,15 @@ FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as th
 FOLD_ROWS = 2
 
 
-# The skinny product (csrc/skinny.cu: one block per SM streaming 16-row weight tiles through the copy engine onto
-# tensor cores, stream-K over the tiles) for 2-16 rows on the large weights that leave the GEMVs after one row,
-# where cuBLAS's output tiles leave bandwidth unused (4B gate|up at 16 rows: 57 % of copy bandwidth). It takes x
-# in shared memory for the whole product, so its rule (mirrored by skinny_fits) bounds rows x K.
-# SEGKI_SKINNY=0: cuBLAS there, as before; =1: also at one row on the large weights, in place of the GEMVs.
+# The skinny product (csrc/skinny.cu: one block per SM, a producer warp streaming 16-row weight tiles through the
+# copy engine, 8 warps on tensor cores, stream-K over the tiles) takes the projections of large weights (the 4B
+# shapes: LARGE_* below) at 1-SKINNY_ROUTE_ROWS rows, in place of the GEMVs at one row and of cuBLAS past it.
+# Measured on the H200 (benchmarks/results/skinny/run2/): 4B decode b=1 327.0 -> 354.6 tok/s, b=4 1186.9 -> 1283.5,
+# but b=16 4218.9 -> 4107.0 (at 16 rows cuBLAS is faster on the K = 2560 shapes: 77-80 % of copy bandwidth against
+# 65-75 %), hence the row limit. It holds x in shared memory for the whole product, so its rule (skinny_fits) also
+# bounds rows x K. SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before); =all: every weight size (for the A/B).
 SKINNY = os.environ.get("SEGKI_SKINNY")
+SKINNY_ROUTE_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
 
 
@@ -88,31 +91,41 @@ def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int) -> bool:
     return rows * (k + SKINNY_PAD) * elem_size + SKINNY_MIN_SLOTS * slot <= SKINNY_SMEM_BYTES
 
 
-def _skinny(x: Tensor, w: Tensor, residual: Tensor | None = None, gated: bool = False,
-            first: bool = False) -> Tensor | None:
-    """``skinny_linear(x, w, residual, gated)`` natively where it runs and is on (past the GEMV rows; ``first``:
-    in place of a GEMV, only with ``SEGKI_SKINNY=1``), else None (the caller's cuBLAS or GEMV path)."""
-    if SKINNY == "0" or (first and SKINNY != "1") or w is None:
-        return None
-    rows = x.numel() // max(x.shape[-1], 1)
-    ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0
-          and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size()) and x.device.type == "cuda"
-          and torch.cuda.get_device_capability(x.device)[0] >= 9)
-    if not eligible("skinny_linear", x, w, residual, shape_ok=ok):
-        return None
-    return _native("skinny_linear")(x, w, residual, gated)
-
-
 def _large(op: str, *weights: Tensor) -> bool:
-    """Whether these weights leave the GEMVs after ``LARGE_WEIGHT_ROWS`` (see native_rows)."""
+    """Whether these weights count as large (see native_rows)."""
     large = LARGE_LINEAR_BYTES if op == "linear" else LARGE_FUSED_BYTES
     return sum(w.numel() * w.element_size() for w in weights) >= large
 
 
-def _skinny_first(op: str, x: Tensor, *weights: Tensor) -> bool:
-    """With ``SEGKI_SKINNY=1``: whether the packed product of these large weights replaces the GEMV at x's rows."""
+def _skinny_routes(op: str, x: Tensor, *weights: Tensor) -> bool:
+    """Whether the projection ``op`` of x by these weights goes to the skinny product (where it also runs)."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return SKINNY == "1" and _large(op, *weights) and rows <= native_rows(op, *weights)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return False   # forward-only kernel; the packed view it reads would also hide the weights from autograd
+    return SKINNY != "0" and rows <= SKINNY_ROUTE_ROWS and (SKINNY == "all" or _large(op, *weights))
+
+
+def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gated: bool = False) -> bool:
+    """Whether ``skinny_linear`` runs natively on x ``[..., K]`` by ``w`` (None: weights that are not packed)."""
+    if w is None or x.device.type != "cuda" or torch.compiler.is_compiling():
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0
+          and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size())
+          and (not gated or (w.shape[0] % 2 == 0 and residual is None))
+          and torch.cuda.get_device_capability(x.device)[0] >= 9)
+    return eligible("skinny_linear", x, w, residual, shape_ok=ok)
+
+
+def _skinny_parts(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset) -> tuple | None:
+    """The packed projections of x (after the norm prologue) as column slices of one skinny product, or None where
+    it does not run (the caller's GEMV or cuBLAS path then)."""
+    w = joint_weight(*weights)
+    if not _skinny_ok(x, w):
+        return None
+    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
+    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, False)             # [M, sum N_i]
+    return tuple(p.unflatten(0, x.shape[:-1]) for p in y.split([t.shape[0] for t in weights], dim=-1))
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -214,9 +227,7 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
     w = joint_weight(*weights)
     if w is None:
         return None
-    x2 = x.reshape(-1, x.shape[-1])
-    y = _skinny(x2, w)
-    y = F.linear(x2, w) if y is None else y                                          # [M, sum N_i]
+    y = F.linear(x.reshape(-1, x.shape[-1]), w)                                     # [M, sum N_i]
     return list(y.split([t.shape[0] for t in weights], dim=-1))
 
 
@@ -270,13 +281,10 @@ def _native(op: str):
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    """See :func:`reference.linear`. Large weights past one row (or at one, with ``SEGKI_SKINNY=1``): the skinny
-    product where it runs."""
-    if bias is None and _large("linear", weight) and x.dim() >= 1:
-        rows = x.numel() // max(x.shape[-1], 1)
-        y = _skinny(x, weight, residual, first=rows <= native_rows("linear", weight))
-        if y is not None:
-            return y
+    """See :func:`reference.linear`. Large weights at up to ``SKINNY_ROUTE_ROWS`` rows: the skinny product where it
+    runs."""
+    if bias is None and _skinny_routes("linear", x, weight) and _skinny_ok(x, weight, residual):
+        return _native("skinny_linear")(x, weight, residual, False)
     if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
                 shape_ok=x.shape[-1] % 8 == 0):
         return _native("linear")(x, weight, bias, residual)
@@ -286,12 +294,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False) -> Tensor:
     """See :func:`reference.skinny_linear`: natively where the skinny path takes the inputs (whatever the
     ``SEGKI_SKINNY`` routing of the projections), else the reference."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    ok = (weight.dim() == 2 and weight.data_ptr() % 16 == 0 and x.device.type == "cuda"
-          and skinny_fits(rows, x.shape[-1], weight.shape[0], x.element_size())
-          and (not gated or (weight.shape[0] % 2 == 0 and residual is None))
-          and torch.cuda.get_device_capability(x.device)[0] >= 9)
-    if eligible("skinny_linear", x, weight, residual, shape_ok=ok):
+    if _skinny_ok(x, weight, residual, gated):
         return _native("skinny_linear")(x, weight, residual, gated)
     return reference.skinny_linear(x, weight, residual, gated)
 
@@ -302,20 +305,16 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | No
     (:func:`folds_norm`), else first. Past the native rows: cuBLAS products (one when gate|up are packed), then
     :func:`silu_mul`."""
     rows = native_rows("gated_mlp_front", w_gate, w_up)
-    first = x.numel() // max(x.shape[-1], 1) <= rows
-    if not _skinny_first("gated_mlp_front", x, w_gate, w_up):
-        if eligible("gated_mlp_front", x, w_gate, w_up, norm_w, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0) and \
-                _takes_norm(x, norm_w, (w_gate, w_up), gated=True):
-            return _native("gated_mlp_front")(x, w_gate, w_up, norm_w, norm_eps, norm_unit_offset)
+    if _skinny_routes("gated_mlp_front", x, w_gate, w_up) and _skinny_ok(x, w := joint_weight(w_gate, w_up),
+                                                                         gated=True):
         x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-        if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0):
-            return _native("gated_mlp_front")(x, w_gate, w_up)
-    else:
-        x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-    if JOINT and not torch.compiler.is_compiling() and x.is_contiguous():
-        y = _skinny(x.reshape(-1, x.shape[-1]), joint_weight(w_gate, w_up), gated=True, first=first)
-        if y is not None:
-            return y.unflatten(0, x.shape[:-1])                                       # [..., I]
+        return _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, True).unflatten(0, x.shape[:-1])
+    if eligible("gated_mlp_front", x, w_gate, w_up, norm_w, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0) and \
+            _takes_norm(x, norm_w, (w_gate, w_up), gated=True):
+        return _native("gated_mlp_front")(x, w_gate, w_up, norm_w, norm_eps, norm_unit_offset)
+    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
+    if eligible("gated_mlp_front", x, w_gate, w_up, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0):
+        return _native("gated_mlp_front")(x, w_gate, w_up)
     parts = _joint_product(x, (w_gate, w_up))
     if parts is not None:
         return silu_mul(*parts).unflatten(0, x.shape[:-1])                          # [..., I]
@@ -336,7 +335,10 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_e
     cuBLAS product when the three weights are packed (and have no biases): the outputs are then column slices of
     it."""
     rows, ok = native_rows("qkv_proj", w_q, w_k, w_v), x.shape[-1] % 8 == 0
-    rows = 0 if _skinny_first("qkv_proj", x, w_q, w_k, w_v) else rows
+    if b_q is None and b_k is None and b_v is None and _skinny_routes("qkv_proj", x, w_q, w_k, w_v):
+        parts = _skinny_parts(x, (w_q, w_k, w_v), norm_w, norm_eps, norm_unit_offset)
+        if parts is not None:
+            return parts
     if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, norm_w, max_rows=rows, shape_ok=ok) and \
             _takes_norm(x, norm_w, (w_q, w_k, w_v)):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v, norm_w, norm_eps, norm_unit_offset))
@@ -356,7 +358,10 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w=None, norm_eps: float = 0.0,
     apart)."""
     ws = (w_qkv, w_z, w_b, w_a)
     rows, ok = native_rows("gdn_in_proj", *ws), x.shape[-1] % 8 == 0
-    rows = 0 if _skinny_first("gdn_in_proj", x, *ws) else rows
+    if _skinny_routes("gdn_in_proj", x, *ws):
+        parts = _skinny_parts(x, ws, norm_w, norm_eps, norm_unit_offset)
+        if parts is not None:
+            return parts
     if eligible("gdn_in_proj", x, *ws, norm_w, max_rows=rows, shape_ok=ok) and _takes_norm(x, norm_w, ws):
         return tuple(_native("gdn_in_proj")(x, *ws, norm_w, norm_eps, norm_unit_offset))
     x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
@@ -376,7 +381,8 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
     ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
           and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
           and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
-    ok = ok and not _skinny_first("gdn_in_proj", x, w_qkv, w_z, w_b, w_a)
+    ok = ok and not (_skinny_routes("gdn_in_proj", x, w_qkv, w_z, w_b, w_a)
+                     and _skinny_ok(x, joint_weight(w_qkv, w_z, w_b, w_a)))
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 
