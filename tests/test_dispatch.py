@@ -193,20 +193,19 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
     assert torch.equal(ops.skinny_linear(x, wg, res), R.linear(x, wg, None, res))   # CPU: the reference
 
 
-def test_skinny_routing_by_rows_weight_size_and_switch(monkeypatch):
-    """Large (4B-sized) weights at 1-8 rows go to the skinny product, smaller ones only under SEGKI_SKINNY=all, none
-    under SEGKI_SKINNY=0 or while autograd records; CPU tensors never reach the native op."""
+def test_skinny_routing_by_rows_and_switch(monkeypatch):
+    """Every weight size at 1-8 rows goes to the skinny product, none past 8 rows, under SEGKI_SKINNY=0 or while
+    autograd records; CPU tensors never reach the native op."""
     monkeypatch.setattr(dispatch, "_native", lambda op: pytest.fail(f"native {op} called"))
     large, small = torch.empty(2560, 9216, device="meta"), torch.empty(1024, 3584, device="meta")
     routes = dispatch._skinny_routes
     monkeypatch.setattr(dispatch, "SKINNY", None)
-    assert routes("linear", torch.randn(1, 9216), large) and routes("linear", torch.randn(8, 9216), large)
-    assert not routes("linear", torch.randn(9, 9216), large) and not routes("linear", torch.randn(1, 3584), small)
-    assert not routes("linear", torch.randn(1, 9216, requires_grad=True), large)
-    monkeypatch.setattr(dispatch, "SKINNY", "all")
-    assert routes("linear", torch.randn(4, 3584), small)
+    assert routes(torch.randn(1, 9216), large) and routes(torch.randn(8, 9216), large)
+    assert routes(torch.randn(1, 3584), small) and routes(torch.randn(4, 3584), small)
+    assert not routes(torch.randn(9, 9216), large) and not routes(torch.randn(16, 3584), small)
+    assert not routes(torch.randn(1, 9216, requires_grad=True), large)
     monkeypatch.setattr(dispatch, "SKINNY", "0")
-    assert not routes("linear", torch.randn(1, 9216), large)
+    assert not routes(torch.randn(1, 9216), large)
     monkeypatch.setattr(dispatch, "SKINNY", None)
     w = torch.randn(2560, 9216, dtype=torch.bfloat16)
     assert not dispatch._skinny_ok(torch.randn(4, 9216, dtype=torch.bfloat16), w)

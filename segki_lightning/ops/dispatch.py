@@ -57,12 +57,14 @@ FOLD_ROWS = 2
 
 
 # The skinny product (csrc/skinny.cu: one block per SM, a producer warp streaming 16-row weight tiles through the
-# copy engine, 8 warps on tensor cores, stream-K over the tiles) takes the projections of large weights (the 4B
-# shapes: LARGE_* below) at 1-SKINNY_ROUTE_ROWS rows, in place of the GEMVs at one row and of cuBLAS past it.
-# Measured on the H200 (benchmarks/results/skinny/run2/): 4B decode b=1 327.0 -> 354.6 tok/s, b=4 1186.9 -> 1283.5,
-# but b=16 4218.9 -> 4107.0 (at 16 rows cuBLAS is faster on the K = 2560 shapes: 77-80 % of copy bandwidth against
-# 65-75 %), hence the row limit. It holds x in shared memory for the whole product, so its rule (skinny_fits) also
-# bounds rows x K. SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before); =all: every weight size (for the A/B).
+# copy engine, 8 warps on tensor cores, stream-K over the tiles) takes every projection at 1-SKINNY_ROUTE_ROWS rows
+# where it runs, in place of the GEMVs (and of cuBLAS past one row on the large weights). Measured on the H200
+# (benchmarks/results/skinny/): 4B decode b=1 327.0 -> 354.6 tok/s and b=4 1186.9 -> 1283.5 on the 4B weights
+# alone (run2); on every weight size 0.8B b=1 1163.1 -> 1187.0 and b=4 3280.1 -> 4458.7 (run3 -> run4, one machine),
+# though at one row it gives up the 0.8B norm prologue and conv epilogue. At 16 rows cuBLAS is faster on the 4B
+# K = 2560 shapes (77-80 % of copy bandwidth against 65-75 %; 4B b=16 4218.9 -> 4107.0 with it), hence the row
+# limit. It holds x in shared memory for the whole product, so its rule (skinny_fits) also bounds rows x K.
+# SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
@@ -97,12 +99,12 @@ def _large(op: str, *weights: Tensor) -> bool:
     return sum(w.numel() * w.element_size() for w in weights) >= large
 
 
-def _skinny_routes(op: str, x: Tensor, *weights: Tensor) -> bool:
-    """Whether the projection ``op`` of x by these weights goes to the skinny product (where it also runs)."""
+def _skinny_routes(x: Tensor, *weights: Tensor) -> bool:
+    """Whether a projection of x by these weights goes to the skinny product (where it also runs)."""
     rows = x.numel() // max(x.shape[-1], 1)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False   # forward-only kernel; the packed view it reads would also hide the weights from autograd
-    return SKINNY != "0" and rows <= SKINNY_ROUTE_ROWS and (SKINNY == "all" or _large(op, *weights))
+    return SKINNY != "0" and rows <= SKINNY_ROUTE_ROWS
 
 
 def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gated: bool = False) -> bool:
@@ -283,7 +285,7 @@ def _native(op: str):
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
     """See :func:`reference.linear`. Large weights at up to ``SKINNY_ROUTE_ROWS`` rows: the skinny product where it
     runs."""
-    if bias is None and _skinny_routes("linear", x, weight) and _skinny_ok(x, weight, residual):
+    if bias is None and _skinny_routes(x, weight) and _skinny_ok(x, weight, residual):
         return _native("skinny_linear")(x, weight, residual, False)
     if eligible("linear", x, weight, bias, residual, max_rows=native_rows("linear", weight),
                 shape_ok=x.shape[-1] % 8 == 0):
@@ -305,7 +307,7 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | No
     (:func:`folds_norm`), else first. Past the native rows: cuBLAS products (one when gate|up are packed), then
     :func:`silu_mul`."""
     rows = native_rows("gated_mlp_front", w_gate, w_up)
-    if _skinny_routes("gated_mlp_front", x, w_gate, w_up) and _skinny_ok(x, w := joint_weight(w_gate, w_up),
+    if _skinny_routes(x, w_gate, w_up) and _skinny_ok(x, w := joint_weight(w_gate, w_up),
                                                                          gated=True):
         x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
         return _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, True).unflatten(0, x.shape[:-1])
@@ -335,7 +337,7 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_e
     cuBLAS product when the three weights are packed (and have no biases): the outputs are then column slices of
     it."""
     rows, ok = native_rows("qkv_proj", w_q, w_k, w_v), x.shape[-1] % 8 == 0
-    if b_q is None and b_k is None and b_v is None and _skinny_routes("qkv_proj", x, w_q, w_k, w_v):
+    if b_q is None and b_k is None and b_v is None and _skinny_routes(x, w_q, w_k, w_v):
         parts = _skinny_parts(x, (w_q, w_k, w_v), norm_w, norm_eps, norm_unit_offset)
         if parts is not None:
             return parts
@@ -358,7 +360,7 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w=None, norm_eps: float = 0.0,
     apart)."""
     ws = (w_qkv, w_z, w_b, w_a)
     rows, ok = native_rows("gdn_in_proj", *ws), x.shape[-1] % 8 == 0
-    if _skinny_routes("gdn_in_proj", x, *ws):
+    if _skinny_routes(x, *ws):
         parts = _skinny_parts(x, ws, norm_w, norm_eps, norm_unit_offset)
         if parts is not None:
             return parts
@@ -381,7 +383,7 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
     ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
           and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
           and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
-    ok = ok and not (_skinny_routes("gdn_in_proj", x, w_qkv, w_z, w_b, w_a)
+    ok = ok and not (_skinny_routes(x, w_qkv, w_z, w_b, w_a)
                      and _skinny_ok(x, joint_weight(w_qkv, w_z, w_b, w_a)))
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)

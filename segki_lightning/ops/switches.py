@@ -23,8 +23,7 @@ KERNEL_SWITCHES = {
                             "(e.g. gated_mlp_front:32,linear:16)"),
     "SEGKI_FOLD_NORM": (("0", "1"), "0: at 1-2 rows each decoder-layer norm as its own kernel, not inside the "
                                     "copy-engine GEMV after it"),
-    "SEGKI_SKINNY": (("0", "all"), "0: the large weights' projections at 1-8 rows on the GEMVs and cuBLAS instead of "
-                                   "the skinny product; all: every weight size on the skinny product there"),
+    "SEGKI_SKINNY": (("0",), "0: the projections at 1-8 rows on the GEMVs and cuBLAS instead of the skinny product"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }
