@@ -62,10 +62,6 @@ __device__ __forceinline__ bool mbar_test(uint64_t* bar, unsigned parity) {
   return done != 0;
 }
 
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
 // Chunk c of the block's share into its slot: one copy, or (kSplit4) four from lanes 0-3 of the calling warp
 // (lane 0 arms the barrier for all four first).
 template <int MODE>

@@ -44,6 +44,13 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, unsigned parity) {
 #endif
 }
 
+// Arrives on `bar` (a consumer done with a slot, on the barrier its producer waits on before refilling it).
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+#endif
+}
+
 // Arrives on `bar` expecting `bytes` more: the total of the copies that follow on it for this phase.
 __device__ __forceinline__ void mbar_expect(uint64_t* bar, unsigned bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
