@@ -251,6 +251,11 @@ bool skinny_plan(int m, int k, int rows, bool gated, size_t elem, SkinnyPlan& pl
   const long x_bytes = (long)m * (k + kPad) * (long)elem;
   plan.slots = (int)std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
   if (plan.slots < kMinSlots) return false;
+  // SEGKI_SKINNY_SLOTS=<2-6> caps the ring (unset: as many as fit, up to 6), for the A/B of a block small enough
+  // that the next kernel's blocks fit beside it and start their copies during its tail (~100 KB at 3 slots of the
+  // 0.8B shapes); the rule above still asks for room for three
+  static const int cap = (int)env_long("SEGKI_SKINNY_SLOTS", kMaxSlots, 2, kMaxSlots);
+  plan.slots = std::min(plan.slots, cap);
   plan.smem = plan.slots * slot_bytes + x_bytes;
   (void)gated;
   return true;

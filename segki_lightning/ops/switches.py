@@ -24,6 +24,8 @@ KERNEL_SWITCHES = {
     "SEGKI_FOLD_NORM": (("0", "1"), "0: at 1-2 rows each decoder-layer norm as its own kernel, not inside the "
                                     "copy-engine GEMV after it"),
     "SEGKI_SKINNY": (("0",), "0: the projections at 1-8 rows on the GEMVs and cuBLAS instead of the skinny product"),
+    "SEGKI_SKINNY_SLOTS": (tuple("23456"), "ring slots per block of the skinny product (unset: as many as fit, "
+                                           "up to 6)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }
