@@ -63,7 +63,7 @@ __device__ __forceinline__ int tile_row(const SkinnyArgs<T>& a, int t, int r) {
   else return t * kTile + r;
 }
 
-// Warp 0: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`.
+// The producer warp: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`.
 template <bool GATED, typename T>
 __device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int u, T* slot, uint64_t* bar) {
   const int lane = threadIdx.x & 31, t = u / a.parts, p = u - t * a.parts;
@@ -243,7 +243,7 @@ int part_cols(int k) {
 }
 
 // The launch for x [m, k] by a weight of `rows` rows, or false where this path does not take it.
-bool skinny_plan(int m, int k, int rows, bool gated, size_t elem, SkinnyPlan& plan) {
+bool skinny_plan(int m, int k, int rows, size_t elem, SkinnyPlan& plan) {
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
   plan.kp = part_cols(k);
   if (plan.kp == 0) return false;
@@ -258,7 +258,6 @@ bool skinny_plan(int m, int k, int rows, bool gated, size_t elem, SkinnyPlan& pl
   static const int cap = (int)env_long("SEGKI_SKINNY_SLOTS", kMaxSlots, 2, kMaxSlots);
   plan.slots = std::min(plan.slots, cap);
   plan.smem = plan.slots * slot_bytes + x_bytes;
-  (void)gated;
   return true;
 }
 
@@ -269,7 +268,7 @@ struct Workspace {
   int* ready = nullptr;
 };
 
-Workspace workspace(int max_grid) {
+Workspace workspace() {
   static std::vector<at::Tensor> keep;
   static Workspace ws[64];
   const int dev = c10::cuda::current_device();
@@ -280,9 +279,9 @@ Workspace workspace(int max_grid) {
     TORCH_CHECK(status == cudaStreamCaptureStatusNone, "segki::skinny_linear: the first product on a device must "
                 "run outside CUDA graph capture (it allocates its workspace); run the step once before capturing");
     auto opts = at::TensorOptions().device(at::kCUDA, dev);
-    keep.push_back(at::zeros({(long)max_grid * kMaxRows * kTile}, opts.dtype(at::kFloat)));
+    keep.push_back(at::zeros({(long)kMaxGrid * kMaxRows * kTile}, opts.dtype(at::kFloat)));
     ws[dev].partial = keep.back().data_ptr<float>();
-    keep.push_back(at::zeros({(long)max_grid}, opts.dtype(at::kInt)));
+    keep.push_back(at::zeros({(long)kMaxGrid}, opts.dtype(at::kInt)));
     ws[dev].ready = keep.back().data_ptr<int>();
     C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
   }
@@ -327,11 +326,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
   SkinnyPlan plan;
-  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), gated, x.element_size(), plan), op, ": x ", x.sizes(),
+  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), plan), op, ": x ", x.sizes(),
               " by weight ", w.sizes(), " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile,
               ", K with a part of 256-2048 columns, x and ", kMinSlots, " slots within ", kSmemBytes / 1024,
               " KB); use linear");
-  const Workspace ws = workspace(kMaxGrid);
+  const Workspace ws = workspace();
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     SkinnyArgs<T> a{};
     a.x = reinterpret_cast<const T*>(x.data_ptr());

@@ -93,12 +93,6 @@ def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int) -> bool:
     return rows * (k + SKINNY_PAD) * elem_size + SKINNY_MIN_SLOTS * slot <= SKINNY_SMEM_BYTES
 
 
-def _large(op: str, *weights: Tensor) -> bool:
-    """Whether these weights count as large (see native_rows)."""
-    large = LARGE_LINEAR_BYTES if op == "linear" else LARGE_FUSED_BYTES
-    return sum(w.numel() * w.element_size() for w in weights) >= large
-
-
 def _skinny_routes(x: Tensor, *weights: Tensor) -> bool:
     """Whether a projection of x by these weights goes to the skinny product (where it also runs)."""
     rows = x.numel() // max(x.shape[-1], 1)
@@ -119,15 +113,23 @@ def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gate
     return eligible("skinny_linear", x, w, residual, shape_ok=ok)
 
 
-def _skinny_parts(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset) -> tuple | None:
-    """The packed projections of x (after the norm prologue) as column slices of one skinny product, or None where
-    it does not run (the caller's GEMV or cuBLAS path then)."""
+def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False) -> Tensor | None:
+    """The packed weight of these projections when the skinny product takes x by it, else None."""
+    if not _skinny_routes(x, *weights):
+        return None
     w = joint_weight(*weights)
-    if not _skinny_ok(x, w):
+    return w if _skinny_ok(x, w, gated=gated) else None
+
+
+def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
+                  gated: bool = False) -> Tensor | None:
+    """The packed projections of x (after the norm prologue) as one skinny product ``[..., sum N_i]`` (gated:
+    ``[..., N_0]``, the SiLU-mul applied), or None where it does not run (the caller's GEMV or cuBLAS path then)."""
+    w = _skinny_weight(x, weights, gated)
+    if w is None:
         return None
     x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, False)             # [M, sum N_i]
-    return tuple(p.unflatten(0, x.shape[:-1]) for p in y.split([t.shape[0] for t in weights], dim=-1))
+    return _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated).unflatten(0, x.shape[:-1])
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -159,7 +161,8 @@ JOINT = os.environ.get("SEGKI_JOINT", "1") != "0"
 def native_rows(op: str, *weights: Tensor) -> int:
     """Rows up to which the projection ``op`` with these weights runs natively: ``MAX_ROWS[op]``, or
     ``LARGE_WEIGHT_ROWS`` for large weights (unless ``SEGKI_GEMV_MAX_ROWS`` set one limit for all)."""
-    if ROWS_FROM_ENV or not _large(op, *weights):
+    large = LARGE_LINEAR_BYTES if op == "linear" else LARGE_FUSED_BYTES
+    if ROWS_FROM_ENV or sum(w.numel() * w.element_size() for w in weights) < large:
         return MAX_ROWS[op]
     return min(MAX_ROWS[op], LARGE_WEIGHT_ROWS)
 
@@ -283,7 +286,7 @@ def _native(op: str):
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-    """See :func:`reference.linear`. Large weights at up to ``SKINNY_ROUTE_ROWS`` rows: the skinny product where it
+    """See :func:`reference.linear`. At up to ``SKINNY_ROUTE_ROWS`` rows without a bias: the skinny product where it
     runs."""
     if bias is None and _skinny_routes(x, weight) and _skinny_ok(x, weight, residual):
         return _native("skinny_linear")(x, weight, residual, False)
@@ -303,14 +306,14 @@ def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gat
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
                     norm_unit_offset: bool = False) -> Tensor:
-    """See :func:`reference.gated_mlp_front`. The norm prologue inside the native launch where it runs there
+    """See :func:`reference.gated_mlp_front`. At up to ``SKINNY_ROUTE_ROWS`` rows on packed weights: the skinny
+    product with its SiLU-mul epilogue where it runs. The norm prologue inside the native launch where it runs there
     (:func:`folds_norm`), else first. Past the native rows: cuBLAS products (one when gate|up are packed), then
     :func:`silu_mul`."""
     rows = native_rows("gated_mlp_front", w_gate, w_up)
-    if _skinny_routes(x, w_gate, w_up) and _skinny_ok(x, w := joint_weight(w_gate, w_up),
-                                                                         gated=True):
-        x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-        return _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, True).unflatten(0, x.shape[:-1])
+    y = _skinny_joint(x, (w_gate, w_up), norm_w, norm_eps, norm_unit_offset, gated=True)
+    if y is not None:
+        return y                                                                     # [..., I]
     if eligible("gated_mlp_front", x, w_gate, w_up, norm_w, max_rows=rows, shape_ok=x.shape[-1] % 8 == 0) and \
             _takes_norm(x, norm_w, (w_gate, w_up), gated=True):
         return _native("gated_mlp_front")(x, w_gate, w_up, norm_w, norm_eps, norm_unit_offset)
@@ -337,10 +340,10 @@ def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_e
     cuBLAS product when the three weights are packed (and have no biases): the outputs are then column slices of
     it."""
     rows, ok = native_rows("qkv_proj", w_q, w_k, w_v), x.shape[-1] % 8 == 0
-    if b_q is None and b_k is None and b_v is None and _skinny_routes(x, w_q, w_k, w_v):
-        parts = _skinny_parts(x, (w_q, w_k, w_v), norm_w, norm_eps, norm_unit_offset)
-        if parts is not None:
-            return parts
+    y = _skinny_joint(x, (w_q, w_k, w_v), norm_w, norm_eps, norm_unit_offset) if b_q is None and b_k is None \
+        and b_v is None else None
+    if y is not None:
+        return tuple(y.split([w_q.shape[0], w_k.shape[0], w_v.shape[0]], dim=-1))
     if eligible("qkv_proj", x, w_q, w_k, w_v, b_q, b_k, b_v, norm_w, max_rows=rows, shape_ok=ok) and \
             _takes_norm(x, norm_w, (w_q, w_k, w_v)):
         return tuple(_native("qkv_proj")(x, w_q, w_k, w_v, b_q, b_k, b_v, norm_w, norm_eps, norm_unit_offset))
@@ -360,10 +363,9 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w=None, norm_eps: float = 0.0,
     apart)."""
     ws = (w_qkv, w_z, w_b, w_a)
     rows, ok = native_rows("gdn_in_proj", *ws), x.shape[-1] % 8 == 0
-    if _skinny_routes(x, *ws):
-        parts = _skinny_parts(x, ws, norm_w, norm_eps, norm_unit_offset)
-        if parts is not None:
-            return parts
+    y = _skinny_joint(x, ws, norm_w, norm_eps, norm_unit_offset)
+    if y is not None:
+        return tuple(y.split([w.shape[0] for w in ws], dim=-1))
     if eligible("gdn_in_proj", x, *ws, norm_w, max_rows=rows, shape_ok=ok) and _takes_norm(x, norm_w, ws):
         return tuple(_native("gdn_in_proj")(x, *ws, norm_w, norm_eps, norm_unit_offset))
     x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
@@ -383,8 +385,7 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
     ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
           and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
           and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
-    ok = ok and not (_skinny_routes(x, w_qkv, w_z, w_b, w_a)
-                     and _skinny_ok(x, joint_weight(w_qkv, w_z, w_b, w_a)))
+    ok = ok and _skinny_weight(x, (w_qkv, w_z, w_b, w_a)) is None   # the skinny product takes the projection
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 
