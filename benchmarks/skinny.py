@@ -48,8 +48,8 @@ def cublas(x: torch.Tensor, w: torch.Tensor, gated: bool):
     return torch.ops.segki.silu_mul(*y.chunk(2, dim=-1)) if gated else y
 
 
-def measure(model: str, name: str, parts_rows: list[int], k: int, gated: bool, rows: list[int], bw: float,
-            skip_gemv_lm_head: bool = True) -> list[dict]:
+def measure(model: str, name: str, parts_rows: list[int], k: int, gated: bool, rows: list[int],
+            bw: float) -> list[dict]:
     from segki_lightning.ops.dispatch import skinny_fits
 
     n = sum(parts_rows)
@@ -70,7 +70,7 @@ def measure(model: str, name: str, parts_rows: list[int], k: int, gated: bool, r
             row.update(skinny_us=round(t, 2), skinny_pct_copy=round(100 * wbytes / t / 1e3 / bw, 1))
         t = graph_time_us([lambda w=w: cublas(x, w, gated) for w in ws], 16, 9)
         row.update(cublas_us=round(t, 2), cublas_pct_copy=round(100 * wbytes / t / 1e3 / bw, 1))
-        if m <= 16 and not (skip_gemv_lm_head and name == "lm_head" and m > 1):
+        if m <= 16 and not (name == "lm_head" and m > 1):   # the GEMV on the head: one row, as decode runs it
             t = graph_time_us([lambda p=p: gemv(x, p, gated) for p in split], 16, 9)
             row.update(gemv_us=round(t, 2), gemv_pct_copy=round(100 * wbytes / t / 1e3 / bw, 1))
         if "skinny_us" in row:
