@@ -194,6 +194,33 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
     assert torch.equal(R.skinny_linear(x, packed, gated=True), R.gated_mlp_front(x, wg, wu))
     assert torch.equal(R.skinny_linear(x, wg, res), R.linear(x, wg, None, res))
     assert torch.equal(ops.skinny_linear(x, wg, res), R.linear(x, wg, None, res))   # CPU: the reference
+    nw = torch.randn(64)
+    assert torch.equal(R.skinny_linear(x, packed, None, True, nw, 1e-6, True), R.gated_mlp_front(x, wg, wu, nw, 1e-6, True))
+    assert torch.equal(ops.skinny_linear(x, wg, res, False, nw, 1e-6, False),
+                       R.linear(R.rms_norm(x, nw, 1e-6, False), wg, None, res))
+
+
+def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
+    """Where the skinny product takes a packed projection, the norm before it rides in the same launch; under
+    SEGKI_FOLD_NORM=0 (dispatch.FOLD_NORM) the norm kernel runs first and the product gets no norm."""
+    x, w, nw = torch.randn(2, 64), torch.randn(48, 64), torch.randn(64)
+    calls = []
+
+    def native(op):
+        def run(*args):
+            calls.append((op, len(args) > 4 and args[4] is not None))
+            return torch.zeros(2, 48) if op == "skinny_linear" else args[0]
+        return run
+
+    monkeypatch.setattr(dispatch, "_native", native)
+    monkeypatch.setattr(dispatch, "_skinny_weight", lambda x, weights, gated=False, norm_w=None: w)
+    monkeypatch.setattr(dispatch, "rms_norm", lambda x, *a: calls.append(("rms_norm", False)) or x)
+    dispatch._skinny_joint(x, (w[:16], w[16:]), nw, 1e-6, True)
+    assert calls == [("skinny_linear", True)]
+    calls.clear()
+    monkeypatch.setattr(dispatch, "FOLD_NORM", False)
+    dispatch._skinny_joint(x, (w[:16], w[16:]), nw, 1e-6, True)
+    assert calls == [("rms_norm", False), ("skinny_linear", False)]
 
 
 def test_skinny_routing_by_rows_and_switch(monkeypatch):

@@ -141,18 +141,25 @@ __device__ __forceinline__ void mma16816(float c[4], uint32_t a0, uint32_t a1, u
   }
 }
 
+struct BlockSync {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
 // N sums over the whole block at once (blockDim.x a multiple of 32, at most 1024), each in block_sum's order, with
-// one pair of barriers; every thread gets every result.
-template <int N>
-__device__ __forceinline__ void block_sums(float (&v)[N], float (*scratch)[32] /* [N][32] */) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+// one pair of barriers; every thread gets every result. A kernel whose first `nwarps` warps sum without the rest
+// passes their count and a barrier of theirs (`sync`); the same order for the same warp count.
+template <int N, typename Sync = BlockSync>
+__device__ __forceinline__ void block_sums(float (&v)[N], float (*scratch)[32] /* [N][32] */, int nwarps = 0,
+                                           Sync sync = {}) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (nwarps == 0) nwarps = blockDim.x >> 5;
 #pragma unroll
   for (int n = 0; n < N; ++n) v[n] = warp_sum(v[n]);
-  __syncthreads();
+  sync();
   if (lane == 0)
 #pragma unroll
     for (int n = 0; n < N; ++n) scratch[n][warp] = v[n];
-  __syncthreads();
+  sync();
 #pragma unroll
   for (int n = 0; n < N; ++n) v[n] = warp_sum(lane < nwarps ? scratch[n][lane] : 0.f);
 }

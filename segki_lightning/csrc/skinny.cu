@@ -41,6 +41,9 @@ struct SkinnyArgs {
   const T* x;         // [m, k]
   const T* w;         // [rows, k]; gated: gate rows [0, n), up rows [n, 2n)
   const T* residual;  // [m, n] added to the rounded product, or nullptr (plain only)
+  const T* norm_w;    // [k]: the RMSNorm applied to x as it is staged, or nullptr
+  float norm_eps;
+  bool norm_unit_offset;
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
@@ -123,6 +126,56 @@ __device__ __forceinline__ float warps_sum(float (*red)[kMaxRows][kRedStride], i
 // A barrier of the consumer warps only (the producer warp never joins it).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
+struct ConsumersSync {
+  __device__ __forceinline__ void operator()() const { consumers_sync(); }
+};
+
+// x [m, K] into shared memory (rows K + kPad apart) for the block's life, through the launch's RMSNorm when it has
+// one: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of every 2048 each, the same block
+// reduction), so the rows hold the bits that kernel would have stored and the product is exactly the one of its
+// output. Every row's stretch is requested at once; w0 (the thread's first 8 norm weights) came before the wait.
+template <typename T, int NB>
+__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0) {
+  if (a.norm_w == nullptr) {
+    for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
+      const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
+      *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
+    }
+    return;
+  }
+  constexpr int M = NB * 8, kStride = kConsumers * 8;  // rows the block may hold; columns between stretches
+  const int i0 = threadIdx.x * 8;
+  float ss[M] = {};
+  for (int i = i0; i < a.k; i += kStride) {
+    uint4 u[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) u[r] = r < a.m ? ld_cached(a.x + (size_t)r * a.k + i) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      float v[8];
+      unpack8<T>(u[r], v);
+      ss[r] = add_squares8(v, ss[r]);
+      if (r < a.m) *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + i) = u[r];
+    }
+  }
+  block_sums<M>(ss, scratch, kWarps, ConsumersSync{});
+  for (int i = i0; i < a.k; i += kStride) {  // normalized in place, by the thread that stored them
+    float w[8];
+    unpack8<T>(i == i0 ? w0 : ld_cached(a.norm_w + i), w);
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      if (r >= a.m) break;
+      const float inv = rms_inverse(ss[r], a.k, a.norm_eps);
+      uint4* p = reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + i);
+      float v[8];
+      unpack8<T>(*p, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, w[j], a.norm_unit_offset);
+      *p = pack8<T>(v);
+    }
+  }
+}
+
 __device__ __forceinline__ void publish(int* flag) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
 }
@@ -203,13 +256,12 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     }
     return;
   }
+  // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait)
+  const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
-  for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {  // x, once
-    const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
-    *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
-  }
-  consumers_sync();  // x is in place
+  stage_x<T, NB>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0);  // red is free until the first tile ends
+  consumers_sync();  // x is in place (and the norm's scratch read) before any product
   float acc[NB][4] = {};
   for (int u = u0; u < u1; ++u) {
     const int c = u - u0, slot = c % a.slots, t = u / a.parts, p = u - t * a.parts;
@@ -297,14 +349,17 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
-  const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  // SEGKI_SKINNY_PER_SM=<1-4> caps the blocks per SM (unset: as many as are resident; one at the default ring),
+  // for the A/B of smaller rings: one block per SM leaves room for the next kernel's blocks, two double the warps
+  static const int cap = (int)env_long("SEGKI_SKINNY_PER_SM", 4, 1, 4);
+  const int resident = std::min(per_sm, cap) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int grid = std::min({resident, a.tiles, kMaxGrid});
   launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   a);
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
-                         bool gated) {
+                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset) {
   const char* op = "segki::skinny_linear";
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   check_cuda_half(w, op, "weight", x.scalar_type());
@@ -322,6 +377,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     TORCH_CHECK(residual->sizes() == out.sizes(), op, ": residual ", residual->sizes(), " must match the output ",
                 out.sizes());
   }
+  if (norm_w.has_value()) {
+    check_cuda_half(*norm_w, op, "norm_w", x.scalar_type());
+    TORCH_CHECK(norm_w->dim() == 1 && norm_w->size(0) == k, op, ": norm_w ", norm_w->sizes(), " must be [", k,
+                "], one weight per input column");
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(norm_w->data_ptr()) % 16 == 0, op, ": norm_w must start on 16 bytes");
+  }
   if (m == 0) return out;
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
@@ -337,6 +398,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.w = reinterpret_cast<const T*>(w.data_ptr());
     a.residual = residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) : nullptr;
     a.out = reinterpret_cast<T*>(out.data_ptr());
+    a.norm_w = norm_w.has_value() ? reinterpret_cast<const T*>(norm_w->data_ptr()) : nullptr;
+    a.norm_eps = (float)norm_eps;
+    a.norm_unit_offset = norm_unit_offset;
     a.partial = ws.partial;
     a.ready = ws.ready;
     a.m = (int)m;

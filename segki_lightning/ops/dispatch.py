@@ -101,7 +101,8 @@ def _skinny_routes(x: Tensor, *weights: Tensor) -> bool:
     return SKINNY != "0" and rows <= SKINNY_ROUTE_ROWS
 
 
-def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gated: bool = False) -> bool:
+def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gated: bool = False,
+               norm_w: Tensor | None = None) -> bool:
     """Whether ``skinny_linear`` runs natively on x ``[..., K]`` by ``w`` (None: weights that are not packed)."""
     if w is None or x.device.type != "cuda" or torch.compiler.is_compiling():
         return False
@@ -109,27 +110,32 @@ def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gate
     ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0
           and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size())
           and (not gated or (w.shape[0] % 2 == 0 and residual is None))
+          and (norm_w is None or (norm_w.shape == (x.shape[-1],) and norm_w.data_ptr() % 16 == 0))
           and torch.cuda.get_device_capability(x.device)[0] >= 9)
-    return eligible("skinny_linear", x, w, residual, shape_ok=ok)
+    return eligible("skinny_linear", x, w, residual, norm_w, shape_ok=ok)
 
 
-def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False) -> Tensor | None:
+def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False,
+                   norm_w: Tensor | None = None) -> Tensor | None:
     """The packed weight of these projections when the skinny product takes x by it, else None."""
     if not _skinny_routes(x, *weights):
         return None
     w = joint_weight(*weights)
-    return w if _skinny_ok(x, w, gated=gated) else None
+    return w if _skinny_ok(x, w, gated=gated, norm_w=norm_w) else None
 
 
 def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
                   gated: bool = False) -> Tensor | None:
-    """The packed projections of x (after the norm prologue) as one skinny product ``[..., sum N_i]`` (gated:
-    ``[..., N_0]``, the SiLU-mul applied), or None where it does not run (the caller's GEMV or cuBLAS path then)."""
-    w = _skinny_weight(x, weights, gated)
+    """The packed projections of x (after the norm prologue, inside the launch unless ``SEGKI_FOLD_NORM=0``) as one
+    skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied), or None where it does not run
+    (the caller's GEMV or cuBLAS path then)."""
+    w = _skinny_weight(x, weights, gated, norm_w if FOLD_NORM else None)
     if w is None:
         return None
-    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-    return _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated).unflatten(0, x.shape[:-1])
+    if not FOLD_NORM:
+        x, norm_w = _norm_first(x, norm_w, norm_eps, norm_unit_offset), None
+    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated, norm_w, norm_eps, norm_unit_offset)
+    return y.unflatten(0, x.shape[:-1])
 
 
 def _gemv_rows() -> tuple[dict[str, int], bool]:
@@ -238,11 +244,13 @@ def _joint_product(x: Tensor, weights: tuple[Tensor, ...]) -> list[Tensor] | Non
 
 def folds_norm(x: Tensor, *weights: Tensor, gated: bool = False) -> bool:
     """Whether the native projection of ``x [..., K]`` by ``weights`` runs an RMSNorm of x inside its own launch
-    (the copy-engine GEMV's x staging, at most ``FOLD_ROWS`` rows; ``gated``: the SiLU-gated front, whose gate and
-    up rows stream together). Elsewhere the projections' norm prologue runs as the norm kernel first: the same
-    bits, one launch more."""
+    (the skinny product's x staging wherever it takes the packed weights; else the copy-engine GEMV's, at most
+    ``FOLD_ROWS`` rows; ``gated``: the SiLU-gated front, whose gate and up rows stream together). Elsewhere the
+    projections' norm prologue runs as the norm kernel first: the same bits, one launch more."""
     if not FOLD_NORM or x.device.type != "cuda" or x.dtype not in NATIVE_DTYPES or x.shape[-1] == 0:
         return False
+    if _skinny_weight(x, weights, gated) is not None:
+        return True
     size, rows = x.element_size(), x.numel() // x.shape[-1]
     if rows > FOLD_ROWS:
         return False
@@ -296,12 +304,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     return reference.linear(x, weight, bias, residual)
 
 
-def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False,
+                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False) -> Tensor:
     """See :func:`reference.skinny_linear`: natively where the skinny path takes the inputs (whatever the
     ``SEGKI_SKINNY`` routing of the projections), else the reference."""
-    if _skinny_ok(x, weight, residual, gated):
-        return _native("skinny_linear")(x, weight, residual, gated)
-    return reference.skinny_linear(x, weight, residual, gated)
+    args = (x, weight, residual, gated, norm_w, norm_eps, norm_unit_offset)
+    if _skinny_ok(x, weight, residual, gated, norm_w):
+        return _native("skinny_linear")(*args)
+    return reference.skinny_linear(*args)
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,

@@ -74,11 +74,43 @@ def test_skinny_residual_is_the_separate_add_of_the_rounded_product(rows, dtype)
     assert torch.equal(got, torch.ops.segki.skinny_linear(x, w) + res)
 
 
+NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles"]
+
+
+@pytest.mark.parametrize("unit_offset", [True, False], ids=["unit_offset", "plain_w"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("shape", NORM_SHAPES)
+def test_skinny_norm_prologue_is_the_norm_kernel_then_the_product(shape, rows, dtype, unit_offset):
+    """The RMSNorm in the x staging holds the norm kernel's bits (the same per-thread sums and block reduction), so
+    the product equals the one of the norm kernel's output exactly; K of 1024 (idle threads), 2560 and 4096 (a
+    second 2048-column stretch) and 9216 (five), both weight forms; and within tolerance of the fp32 reference."""
+    n, k, gated = SHAPES[shape]
+    if not dispatch.skinny_fits(rows, k, n, 2):
+        pytest.skip(f"{rows} rows of K = {k} do not fit the path (x and three slots in shared memory)")
+    x, w = randn(rows, k, dtype=dtype, scale=3.0), randn(n, k, dtype=dtype, scale=k**-0.5)
+    nw, eps = randn(k, dtype=dtype, scale=0.2), 1e-6
+    normed = torch.ops.segki.rms_norm(x, nw, eps, unit_offset)
+    res = None if gated else randn(rows, n, dtype=dtype)
+    poison((rows, n // 2 if gated else n), dtype=dtype)
+    got = torch.ops.segki.skinny_linear(x, w, res, gated, nw, eps, unit_offset)
+    assert torch.equal(got, torch.ops.segki.skinny_linear(normed, w, res, gated))
+    ref = R.skinny_linear(*f32(x, w, res), gated, nw.float(), eps, unit_offset)
+    assert rel_err(got, ref) < TOL[dtype]
+
+
+def test_skinny_norm_prologue_refuses_a_norm_weight_of_another_width():
+    x, w = randn(2, 2560, dtype=torch.bfloat16), randn(256, 2560, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="norm_w.*must be \\[2560\\]"):
+        torch.ops.segki.skinny_linear(x, w, None, False, randn(1024, dtype=torch.bfloat16), 1e-6, True)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 8, 9, 16])
 def test_dispatch_routes_the_4b_projections_at_up_to_8_rows_to_it(rows, monkeypatch):
-    """gate|up (with its SiLU-mul), the GDN input projection (column slices of one product) and down_proj with its
-    residual, of 4B size: the skinny product at 1-8 rows, cuBLAS past them; within tolerance of the reference
-    either way; none of it under SEGKI_SKINNY=0 (dispatch.SKINNY)."""
+    """gate|up (with its SiLU-mul) and the GDN input projection (column slices of one product), each after its
+    norm, and down_proj with its residual, of 4B size: the skinny product with the norm in its launch at 1-8 rows,
+    the norm kernel and cuBLAS past them; within tolerance of the reference either way; none of it under
+    SEGKI_SKINNY=0 (dispatch.SKINNY)."""
     from torch import nn
 
     from segki_lightning import ops
@@ -101,18 +133,28 @@ def test_dispatch_routes_the_4b_projections_at_up_to_8_rows_to_it(rows, monkeypa
         calls.append(tuple(args[1].shape))
         return real(*args)
 
-    monkeypatch.setattr(dispatch, "_native", lambda op: spy if op == "skinny_linear" else getattr(torch.ops.segki, op))
+    def native(op):
+        if op == "rms_norm":
+            calls.append("rms_norm")
+        return spy if op == "skinny_linear" else getattr(torch.ops.segki, op)
+
+    monkeypatch.setattr(dispatch, "_native", native)
+    nw = randn(k, dtype=dtype, scale=0.2)
     with torch.no_grad():
-        front = ops.gated_mlp_front(x, block.gate_proj.weight, block.up_proj.weight)
-        outs = ops.gdn_in_proj(x, *ws)
+        front = ops.gated_mlp_front(x, block.gate_proj.weight, block.up_proj.weight, nw, 1e-6, True)
+        outs = ops.gdn_in_proj(x, *ws, nw, 1e-6, True)
         y = ops.linear(h, down, None, res)
-    assert rel_err(front, R.gated_mlp_front(*f32(x, block.gate_proj.weight, block.up_proj.weight))) < 1e-2
-    for got, ref in zip(outs, R.gdn_in_proj(*f32(x, *ws))):
+    xn = R.rms_norm(x.float(), nw.float(), 1e-6, True)
+    assert rel_err(front, R.gated_mlp_front(xn, *f32(block.gate_proj.weight, block.up_proj.weight))) < 1e-2
+    for got, ref in zip(outs, R.gdn_in_proj(xn, *f32(*ws))):
         assert rel_err(got, ref) < 1e-2
     assert rel_err(y, R.linear(*f32(h, down), None, res.float())) < 1e-2
     routed = rows <= dispatch.SKINNY_ROUTE_ROWS
     fits_down = dispatch.skinny_fits(rows, 9216, 2560, 2)
-    assert calls == ([(18432, 2560), (12352, 2560)] + ([(2560, 9216)] if fits_down else []) if routed else [])
+    # routed, the norms run inside the skinny launches (dispatch.folds_norm says so to the decoder layer)
+    assert calls == ([(18432, 2560), (12352, 2560)] + ([(2560, 9216)] if fits_down else []) if routed else
+                     ["rms_norm", "rms_norm"])
+    assert dispatch.folds_norm(x, block.gate_proj.weight, block.up_proj.weight, gated=True) == routed
     calls.clear()
     monkeypatch.setattr(dispatch, "SKINNY", "0")
     with torch.no_grad():

@@ -26,9 +26,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     return out if residual is None else residual + out
 
 
-def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False) -> Tensor:
+def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False,
+                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False) -> Tensor:
     """One product over a (packed) weight ``[R, K]``: :func:`linear` without bias, or with ``gated`` the weight's
-    first half of rows as the gate and the second as up, ``silu_mul(x @ gate^T, x @ up^T)`` -> ``[..., R / 2]``."""
+    first half of rows as the gate and the second as up, ``silu_mul(x @ gate^T, x @ up^T)`` -> ``[..., R / 2]``.
+    With ``norm_w``, x goes through the RMSNorm first (:func:`rms_norm`'s roundings)."""
+    x = normed_input(x, norm_w, norm_eps, norm_unit_offset)
     if gated:
         return silu_mul(*F.linear(x, weight).chunk(2, dim=-1))
     return linear(x, weight, None, residual)
