@@ -187,9 +187,10 @@ __device__ __forceinline__ void await(int* flag) {
   } while (v == 0);
 }
 
-// How a block finishes tile `t` after the warps' sums are in `red`. head: the block started inside the tile, so
-// it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
-// block's published sums to its own and stores the outputs. Otherwise it stores them.
+// How a block finishes tile `t` after the warps' sums are in `red`. tail: the block ends inside the tile, so it
+// adds the next block's published sums to its own. head: the block started inside the tile, so it publishes its
+// sums (with the next block's, if also tail) for the block before it. Otherwise it stores the outputs. A tile over
+// several blocks is summed from its last block back to its first, the same order every launch.
 template <typename T, bool GATED>
 __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool head, bool tail,
                                             float (*red)[kMaxRows][kRedStride]) {
@@ -197,6 +198,12 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
   const int xr = i / kTile, r = i % kTile;  // one (x row, weight row) per thread: 16 x 16 = 256 threads
   const bool mine = xr < a.m;
   float v = mine ? warps_sum(red, xr, r) : 0.f;
+  if (tail) {
+    if (i == 0) await(a.ready + blockIdx.x + 1);
+    consumers_sync();
+    if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
+    if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
+  }
   if (head) {
     if (mine) a.partial[(size_t)blockIdx.x * kMaxRows * kTile + i] = v;
     consumers_sync();  // every thread's store is issued before the flag
@@ -205,12 +212,6 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
       publish(a.ready + blockIdx.x);
     }
     return;
-  }
-  if (tail) {
-    if (i == 0) await(a.ready + blockIdx.x + 1);
-    consumers_sync();
-    if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
-    if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
   }
   if constexpr (GATED) {
     // gate (r < 8) and up (r + 8) of one output sit in threads i and i + 8 of the same half-warp
@@ -304,11 +305,6 @@ bool skinny_plan(int m, int k, int rows, size_t elem, SkinnyPlan& plan) {
   const long x_bytes = (long)m * (k + kPad) * (long)elem;
   plan.slots = (int)std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
   if (plan.slots < kMinSlots) return false;
-  // SEGKI_SKINNY_SLOTS=<2-6> caps the ring (unset: as many as fit, up to 6), for the A/B of a block small enough
-  // that the next kernel's blocks fit beside it and start their copies during its tail (~100 KB at 3 slots of the
-  // 0.8B shapes); the rule above still asks for room for three
-  static const int cap = (int)env_long("SEGKI_SKINNY_SLOTS", kMaxSlots, 2, kMaxSlots);
-  plan.slots = std::min(plan.slots, cap);
   plan.smem = plan.slots * slot_bytes + x_bytes;
   return true;
 }
@@ -341,7 +337,8 @@ Workspace workspace() {
 }
 
 // The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per
-// tile (so each block has at least `parts` units and a tile spans at most two blocks).
+// unit. A narrow weight then streams on every SM: the 0.8B o_proj / out_proj / down have 64 tiles of 2 parts,
+// which one block per tile left to 64 of the 132 SMs.
 template <typename T, int NB, bool GATED>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, NB, GATED>;
@@ -349,11 +346,9 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
-  // SEGKI_SKINNY_PER_SM=<1-4> caps the blocks per SM (unset: as many as are resident; one at the default ring),
-  // for the A/B of smaller rings: one block per SM leaves room for the next kernel's blocks, two double the warps
-  static const int cap = (int)env_long("SEGKI_SKINNY_PER_SM", 4, 1, 4);
-  const int resident = std::min(per_sm, cap) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = std::min({resident, a.tiles, kMaxGrid});
+  const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  static const bool by_tiles = env_long("SEGKI_SKINNY_GRID", 0, 0, 1) == 1;  // 1: at most one block per tile
+  const int grid = std::min({resident, by_tiles ? a.tiles : a.tiles * a.parts, kMaxGrid});
   launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   a);
 }

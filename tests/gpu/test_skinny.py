@@ -19,11 +19,13 @@ def native():
     if native_ops() is None:
         pytest.fail("the segki extension did not build/load on this GPU machine")
 
-# name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, and small ones whose tiles split
-# over blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks)
+# name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones (o_proj and down: 64 tiles of two
+# parts on 128 blocks), small ones whose tiles split over blocks at every part boundary (K = 2560: two parts; 200
+# tiles on ~132 blocks), and chained ones: 8 tiles of 9 parts, one unit per block, each tile summed over 9 blocks
 SHAPES = {
     "4b_gate_up": (2 * 9216, 2560, True), "4b_gdn_in": (12352, 2560, False), "4b_o_proj": (2560, 4096, False),
     "4b_down": (2560, 9216, False), "08b_gate_up": (2 * 3584, 1024, True), "08b_down": (1024, 3584, False),
+    "08b_o_proj": (1024, 2048, False), "chained": (16 * 8, 9216, False), "chained_gated": (16 * 8, 9216, True),
     "split_tiles": (16 * 200, 2560, False), "split_gated": (16 * 200, 2560, True), "few_tiles": (16 * 5, 512, False),
 }
 ROWS = [1, 2, 5, 8, 9, 16]
@@ -48,11 +50,14 @@ def test_skinny_product_against_the_fp32_reference(shape, rows, dtype):
     assert_every_element(got, want(x, w, gated), dtype)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 16])
-def test_skinny_product_is_deterministic_and_replays_in_a_graph(rows):
+@pytest.mark.parametrize("shape", ["split_tiles", "chained"])
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_skinny_product_is_deterministic_and_replays_in_a_graph(rows, shape):
     """Split tiles are summed in one order every launch: the same bits eagerly, again, and from a graph replayed
     on new inputs."""
-    n, k, _ = SHAPES["split_tiles"]
+    n, k, _ = SHAPES[shape]
+    if not dispatch.skinny_fits(rows, k, n, 2):
+        pytest.skip(f"{rows} rows of K = {k} do not fit the path")
     x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     first = torch.ops.segki.skinny_linear(x, w)
     assert torch.equal(first, torch.ops.segki.skinny_linear(x, w))
@@ -74,7 +79,7 @@ def test_skinny_residual_is_the_separate_add_of_the_rounded_product(rows, dtype)
     assert torch.equal(got, torch.ops.segki.skinny_linear(x, w) + res)
 
 
-NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles"]
+NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "chained"]
 
 
 @pytest.mark.parametrize("unit_offset", [True, False], ids=["unit_offset", "plain_w"])
@@ -154,7 +159,8 @@ def test_dispatch_routes_the_4b_projections_at_up_to_8_rows_to_it(rows, monkeypa
     # routed, the norms run inside the skinny launches (dispatch.folds_norm says so to the decoder layer)
     assert calls == ([(18432, 2560), (12352, 2560)] + ([(2560, 9216)] if fits_down else []) if routed else
                      ["rms_norm", "rms_norm"])
-    assert dispatch.folds_norm(x, block.gate_proj.weight, block.up_proj.weight, gated=True) == routed
+    with torch.no_grad():
+        assert dispatch.folds_norm(x, block.gate_proj.weight, block.up_proj.weight, gated=True) == routed
     calls.clear()
     monkeypatch.setattr(dispatch, "SKINNY", "0")
     with torch.no_grad():
