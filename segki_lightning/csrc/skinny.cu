@@ -187,10 +187,9 @@ __device__ __forceinline__ void await(int* flag) {
   } while (v == 0);
 }
 
-// How a block finishes tile `t` after the warps' sums are in `red`. tail: the block ends inside the tile, so it
-// adds the next block's published sums to its own. head: the block started inside the tile, so it publishes its
-// sums (with the next block's, if also tail) for the block before it. Otherwise it stores the outputs. A tile over
-// several blocks is summed from its last block back to its first, the same order every launch.
+// How a block finishes tile `t` after the warps' sums are in `red`. head: the block started inside the tile, so
+// it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
+// block's published sums to its own and stores the outputs. Otherwise it stores them.
 template <typename T, bool GATED>
 __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool head, bool tail,
                                             float (*red)[kMaxRows][kRedStride]) {
@@ -198,12 +197,6 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
   const int xr = i / kTile, r = i % kTile;  // one (x row, weight row) per thread: 16 x 16 = 256 threads
   const bool mine = xr < a.m;
   float v = mine ? warps_sum(red, xr, r) : 0.f;
-  if (tail) {
-    if (i == 0) await(a.ready + blockIdx.x + 1);
-    consumers_sync();
-    if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
-    if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
-  }
   if (head) {
     if (mine) a.partial[(size_t)blockIdx.x * kMaxRows * kTile + i] = v;
     consumers_sync();  // every thread's store is issued before the flag
@@ -212,6 +205,12 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
       publish(a.ready + blockIdx.x);
     }
     return;
+  }
+  if (tail) {
+    if (i == 0) await(a.ready + blockIdx.x + 1);
+    consumers_sync();
+    if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
+    if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
   }
   if constexpr (GATED) {
     // gate (r < 8) and up (r + 8) of one output sit in threads i and i + 8 of the same half-warp
@@ -337,8 +336,10 @@ Workspace workspace() {
 }
 
 // The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per
-// unit. A narrow weight then streams on every SM: the 0.8B o_proj / out_proj / down have 64 tiles of 2 parts,
-// which one block per tile left to 64 of the 132 SMs.
+// tile (so each block has at least `parts` units and a tile spans at most two blocks). A grid of one block per
+// unit, which streams the narrow 0.8B products (64 tiles of 2 parts) on all 132 SMs instead of 64, lost in the
+// decode step (results/skinny/run7_grid/: 0.8B b=1 1189.0 -> 1149.6 tok/s, b=4 -5.4 %); likely reasons, not
+// measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait.
 template <typename T, int NB, bool GATED>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, NB, GATED>;
@@ -347,8 +348,7 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  static const bool by_tiles = env_long("SEGKI_SKINNY_GRID", 0, 0, 1) == 1;  // 1: at most one block per tile
-  const int grid = std::min({resident, by_tiles ? a.tiles : a.tiles * a.parts, kMaxGrid});
+  const int grid = std::min({resident, a.tiles, kMaxGrid});
   launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   a);
 }

@@ -19,13 +19,12 @@ def native():
     if native_ops() is None:
         pytest.fail("the segki extension did not build/load on this GPU machine")
 
-# name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones (o_proj and down: 64 tiles of two
-# parts on 128 blocks), small ones whose tiles split over blocks at every part boundary (K = 2560: two parts; 200
-# tiles on ~132 blocks), and chained ones: 8 tiles of 9 parts, one unit per block, each tile summed over 9 blocks
+# name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, small ones whose tiles split over
+# blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), and few tiles of many parts
 SHAPES = {
     "4b_gate_up": (2 * 9216, 2560, True), "4b_gdn_in": (12352, 2560, False), "4b_o_proj": (2560, 4096, False),
     "4b_down": (2560, 9216, False), "08b_gate_up": (2 * 3584, 1024, True), "08b_down": (1024, 3584, False),
-    "08b_o_proj": (1024, 2048, False), "chained": (16 * 8, 9216, False), "chained_gated": (16 * 8, 9216, True),
+    "08b_o_proj": (1024, 2048, False), "many_parts": (16 * 8, 9216, False), "many_parts_gated": (16 * 8, 9216, True),
     "split_tiles": (16 * 200, 2560, False), "split_gated": (16 * 200, 2560, True), "few_tiles": (16 * 5, 512, False),
 }
 ROWS = [1, 2, 5, 8, 9, 16]
@@ -50,7 +49,7 @@ def test_skinny_product_against_the_fp32_reference(shape, rows, dtype):
     assert_every_element(got, want(x, w, gated), dtype)
 
 
-@pytest.mark.parametrize("shape", ["split_tiles", "chained"])
+@pytest.mark.parametrize("shape", ["split_tiles", "many_parts"])
 @pytest.mark.parametrize("rows", [1, 4, 16])
 def test_skinny_product_is_deterministic_and_replays_in_a_graph(rows, shape):
     """Split tiles are summed in one order every launch: the same bits eagerly, again, and from a graph replayed
@@ -79,7 +78,7 @@ def test_skinny_residual_is_the_separate_add_of_the_rounded_product(rows, dtype)
     assert torch.equal(got, torch.ops.segki.skinny_linear(x, w) + res)
 
 
-NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "chained"]
+NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "many_parts"]
 
 
 @pytest.mark.parametrize("unit_offset", [True, False], ids=["unit_offset", "plain_w"])
