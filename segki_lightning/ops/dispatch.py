@@ -50,7 +50,8 @@ LARGE_FUSED_BYTES = 32 * 2**20
 BULK_ROWS, BULK_MAX_WEIGHT_BYTES, BULK_MAX_ROW_BYTES = 4, 16 * 2**20, 2048
 BULK_CHUNK_BYTES, BULK_SMEM_BYTES = 32 * 1024, 108 * 1024
 FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as their own kernels (for comparisons)
-# Rows up to which the norms fold (benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in
+# Rows up to which the norms fold into the copy-engine GEMV (the skinny product takes them at all its rows, see
+# below; benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in
 # one run): 1 row +5.4 % (1113 -> 1173 tok/s), 2 rows +1.8 %, 4 rows -3.2 % (each block normalizes every row
 # before its dot products; that grows with the rows, the launch saved does not).
 FOLD_ROWS = 2
@@ -61,9 +62,11 @@ FOLD_ROWS = 2
 # where it runs, in place of the GEMVs (and of cuBLAS past one row on the large weights). Measured on the H200
 # (benchmarks/results/skinny/): 4B decode b=1 327.0 -> 354.6 tok/s and b=4 1186.9 -> 1283.5 on the 4B weights
 # alone (run2); on every weight size 0.8B b=1 1163.1 -> 1187.0 and b=4 3280.1 -> 4458.7 (run3 -> run4, one machine),
-# though at one row it gives up the 0.8B norm prologue and conv epilogue. At 16 rows cuBLAS is faster on the 4B
-# K = 2560 shapes (77-80 % of copy bandwidth against 65-75 %; 4B b=16 4218.9 -> 4107.0 with it), hence the row
-# limit. It holds x in shared memory for the whole product, so its rule (skinny_fits) also bounds rows x K.
+# though at one row it gives up the 0.8B conv epilogue. It runs the norm before it in its x staging (folds_norm):
+# against SEGKI_FOLD_NORM=0 in one run (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. At
+# 16 rows cuBLAS is faster on the 4B K = 2560 shapes (77-80 % of copy bandwidth against 65-75 %; 4B b=16 4218.9 ->
+# 4107.0 with it), hence the row limit. It holds x in shared memory for the whole product, so its rule
+# (skinny_fits) also bounds rows x K.
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 8
