@@ -352,7 +352,9 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = std::min({resident, a.tiles, kMaxGrid});
+  // SEGKI_SKINNY_GRID=<n>: at most n blocks, for the A/B of SMs left free for the next kernel's first copies
+  static const int cap = (int)env_long("SEGKI_SKINNY_GRID", kMaxGrid, 1, kMaxGrid);
+  const int grid = std::min({resident, a.tiles, kMaxGrid, cap});
   launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   a);
 }
