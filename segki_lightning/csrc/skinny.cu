@@ -22,6 +22,10 @@
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
 // (results/skinny/run6_fold_ring/).
+//
+// Conv epilogue (conv_state): the first output columns of a GDN block's packed input projection (q|k|v) go through
+// the block's causal conv token (common.cuh: conv_token, the rule gdn_conv_kernel runs: the same bits), so the
+// recurrence follows alone (gdn_recurrent_step) instead of the conv and recurrence kernels (gdn_decode_step).
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -48,6 +52,10 @@ struct SkinnyArgs {
   const T* norm_w;    // [k]: the RMSNorm applied to x as it is staged, or nullptr
   float norm_eps;
   bool norm_unit_offset;
+  T* conv_state;      // [m, conv_channels, conv_width]: the GDN conv of output columns < conv_channels, or nullptr
+  const T* conv_w;    // [conv_channels, conv_width]
+  const T* conv_b;    // [conv_channels] or nullptr
+  int conv_channels, conv_width;
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
@@ -224,9 +232,13 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
       a.out[(size_t)xr * a.n + t * 8 + r] = from_float<T>(silu(gv) * uv);
     }
   } else if (mine) {
-    const size_t o = (size_t)xr * a.n + (size_t)t * kTile + r;
+    const int col = t * kTile + r;
+    const size_t o = (size_t)xr * a.n + col;
     float y = round_to<T>(v);
     if (a.residual) y += to_float<T>(a.residual[o]);
+    if (col < a.conv_channels)  // the channel's conv token on the rounded projection, as gdn_conv_kernel runs it
+      y = conv_token<T>(a.conv_state + ((size_t)xr * a.conv_channels + col) * a.conv_width, a.conv_w, a.conv_b, col,
+                        y, a.conv_width);
     a.out[o] = from_float<T>(y);
   }
 }
@@ -359,8 +371,30 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
                   a);
 }
 
+// The GDN conv state, taps and bias of a projection whose first output columns are a GDN block's q|k|v.
+void check_conv(const char* op, const at::Tensor& x, int64_t m, int64_t n, bool gated, bool residual,
+                const at::Tensor& state, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(!gated && !residual, op, ": the conv epilogue takes a plain product (no gate, no residual)");
+  TORCH_CHECK(weight.has_value(), op, ": conv_state needs conv_weight");
+  check_cuda_half(state, op, "conv_state", x.scalar_type());
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == m && state.size(1) <= n && state.size(2) >= 1 &&
+                  state.size(2) <= kMaxConvWidth,
+              op, ": conv_state ", state.sizes(), " must be [", m, " rows of x, C <= ", n, ", width <= ",
+              kMaxConvWidth, "]");
+  check_cuda_half(*weight, op, "conv_weight", x.scalar_type());
+  TORCH_CHECK(weight->dim() == 2 && weight->size(0) == state.size(1) && weight->size(1) == state.size(2), op,
+              ": conv_weight ", weight->sizes(), " must be [C, width] of conv_state ", state.sizes());
+  if (bias.has_value()) {
+    check_cuda_half(*bias, op, "conv_bias", x.scalar_type());
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == state.size(1), op, ": conv_bias ", bias->sizes(),
+                " must be [", state.size(1), "]");
+  }
+}
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
-                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset) {
+                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset,
+                         const c10::optional<at::Tensor>& conv_state, const c10::optional<at::Tensor>& conv_weight,
+                         const c10::optional<at::Tensor>& conv_bias) {
   const char* op = "segki::skinny_linear";
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   check_cuda_half(w, op, "weight", x.scalar_type());
@@ -384,6 +418,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
                 "], one weight per input column");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(norm_w->data_ptr()) % 16 == 0, op, ": norm_w must start on 16 bytes");
   }
+  if (conv_state.has_value())
+    check_conv(op, x, m, n, gated, residual.has_value(), *conv_state, conv_weight, conv_bias);
   if (m == 0) return out;
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
@@ -402,6 +438,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.norm_w = norm_w.has_value() ? reinterpret_cast<const T*>(norm_w->data_ptr()) : nullptr;
     a.norm_eps = (float)norm_eps;
     a.norm_unit_offset = norm_unit_offset;
+    if (conv_state.has_value()) {
+      a.conv_state = reinterpret_cast<T*>(conv_state->data_ptr());
+      a.conv_w = reinterpret_cast<const T*>(conv_weight->data_ptr());
+      a.conv_b = conv_bias.has_value() ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr;
+      a.conv_channels = (int)conv_state->size(1);
+      a.conv_width = (int)conv_state->size(2);
+    }
     a.partial = ws.partial;
     a.ready = ws.ready;
     a.m = (int)m;

@@ -28,6 +28,10 @@ GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj":
 # tok/s, 4B 321 -> 328) and loses 8 % at b=16 on 0.8B (9506 -> 8771) and 2 % on 4B: the epilogue's scalar
 # conv-state reads and writes grow with the rows, while the launch it saves does not.
 CONV_EPILOGUE_ROWS = 1
+# The same conv in the skinny product's epilogue (skinny_linear with conv_state), where the skinny product takes the
+# GDN input projection, up to SEGKI_SKINNY_CONV_ROWS rows (0-8). Not yet measured, so 0 by default: the conv runs
+# in gdn_decode_step, as before.
+SKINNY_CONV_ROWS = int(os.environ.get("SEGKI_SKINNY_CONV_ROWS", "0"))
 # A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after one
 # row: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to 16 rows, and
 # decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there (benchmarks/results/decode_limits/); at 2-4 rows,
@@ -127,17 +131,30 @@ def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False,
     return w if _skinny_ok(x, w, gated=gated, norm_w=norm_w) else None
 
 
+def _skinny_conv_ok(x: Tensor, w_qkv: Tensor, conv_state: Tensor, conv_weight: Tensor,
+                    conv_bias: Tensor | None) -> bool:
+    """Whether the skinny product over a GDN input projection (q|k|v first) of x ``[M, K]`` runs the conv in its
+    epilogue: at most ``SKINNY_CONV_ROWS`` rows, the conv state ``[M, C, W <= 8]`` of the C = q|k|v channels."""
+    c, rows = w_qkv.shape[0], x.numel() // max(x.shape[-1], 1)
+    ok = (rows <= SKINNY_CONV_ROWS and x.dim() == 2 and conv_state.dim() == 3
+          and conv_state.shape[:2] == (rows, c) and 1 <= conv_state.shape[-1] <= 8
+          and conv_weight.shape == (c, conv_state.shape[-1]) and (conv_bias is None or conv_bias.shape == (c,)))
+    return ok and eligible("skinny_linear", x, conv_state, conv_weight, conv_bias)
+
+
 def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
-                  gated: bool = False) -> Tensor | None:
+                  gated: bool = False, conv: tuple = (None, None, None)) -> Tensor | None:
     """The packed projections of x (after the norm prologue, inside the launch unless ``SEGKI_FOLD_NORM=0``) as one
-    skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied), or None where it does not run
-    (the caller's GEMV or cuBLAS path then)."""
+    skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied; ``conv``: the GDN conv state,
+    taps and bias for the first weight's columns), or None where it does not run (the caller's GEMV or cuBLAS path
+    then)."""
     w = _skinny_weight(x, weights, gated, norm_w if FOLD_NORM else None)
-    if w is None:
+    if w is None or (conv[0] is not None and not _skinny_conv_ok(x, weights[0], *conv)):
         return None
     if not FOLD_NORM:
         x, norm_w = _norm_first(x, norm_w, norm_eps, norm_unit_offset), None
-    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated, norm_w, norm_eps, norm_unit_offset)
+    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated, norm_w, norm_eps, norm_unit_offset,
+                                 *conv)
     return y.unflatten(0, x.shape[:-1])
 
 
@@ -391,27 +408,38 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w=None, norm_eps: float = 0.0,
 
 
 def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
-    """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
-    at most ``CONV_EPILOGUE_ROWS`` rows (where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a
-    conv width of at most 8. Otherwise callers keep the projection (:func:`gdn_in_proj`) and the native conv +
-    recurrence of :func:`gdn_decode_step`."""
+    """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch): in
+    the skinny product where it takes the projection (at most ``SKINNY_CONV_ROWS`` rows), else on the GEMVs (at most
+    ``CONV_EPILOGUE_ROWS`` rows, where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a conv width
+    of at most 8. Otherwise callers keep the projection (:func:`gdn_in_proj`) and the native conv + recurrence of
+    :func:`gdn_decode_step`."""
+    if _skinny_weight(x, (w_qkv, w_z, w_b, w_a)) is not None:
+        return _skinny_conv_ok(x, w_qkv, conv_state, conv_weight, conv_bias)
+    return _gemv_fuses_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias)
+
+
+def _gemv_fuses_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
+    """Whether ``gdn_in_proj_conv``'s own native op (the GEMV with the conv epilogue) runs on these inputs."""
     ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
           and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
           and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
-    ok = ok and _skinny_weight(x, (w_qkv, w_z, w_b, w_a)) is None   # the skinny product takes the projection
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 
 
 def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias, norm_w=None,
                      norm_eps: float = 0.0, norm_unit_offset: bool = False) -> tuple[Tensor, ...]:
-    """See :func:`reference.gdn_in_proj_conv`; the norm prologue as in :func:`gated_mlp_front`."""
+    """See :func:`reference.gdn_in_proj_conv`; the norm prologue as in :func:`gated_mlp_front`. In the skinny
+    product where :func:`fuses_gdn_conv` says so, else the GEMV with the conv epilogue."""
     ws, conv = (w_qkv, w_z, w_b, w_a), (conv_state, conv_weight, conv_bias)
-    if fuses_gdn_conv(x, *ws, *conv) and _takes_norm(x, norm_w, ws) and (
+    y = _skinny_joint(x, ws, norm_w, norm_eps, norm_unit_offset, conv=conv)
+    if y is not None:
+        return tuple(y.split([w.shape[0] for w in ws], dim=-1))                     # [B, C] [B, Hv*Dv] [B, Hv] x2
+    if _gemv_fuses_conv(x, *ws, *conv) and _takes_norm(x, norm_w, ws) and (
             norm_w is None or eligible("gdn_in_proj_conv", norm_w, x)):
         return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv, norm_w, norm_eps, norm_unit_offset))
     x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-    if fuses_gdn_conv(x, *ws, *conv):
+    if _gemv_fuses_conv(x, *ws, *conv):
         return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv))
     return reference.gdn_in_proj_conv(x, *ws, *conv)
 
