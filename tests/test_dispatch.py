@@ -209,12 +209,14 @@ def test_skinny_reference_with_the_conv_is_the_gdn_in_proj_conv_reference():
     x, nw = torch.randn(rows, k), torch.randn(k)
     ws = [torch.randn(n, k) for n in sizes]
     state, cw, cb = torch.randn(rows, 48, width), torch.randn(48, width), torch.randn(48)
-    state2 = state.clone()
+    state2, first = state.clone(), state.clone()
     got = R.skinny_linear(x, torch.cat(ws), None, False, nw, 1e-6, True, state, cw, cb).split(sizes, dim=-1)
     want = R.gdn_in_proj_conv(x, *ws, state2, cw, cb, nw, 1e-6, True)
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5, rtol=1e-5)
     assert torch.equal(state, state2)
+    via_ops = ops.skinny_linear(x, torch.cat(ws), None, False, nw, 1e-6, True, first, cw, cb)    # CPU: the reference
+    assert torch.equal(via_ops, torch.cat(got, dim=-1)) and torch.equal(first, state)
 
 
 def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):

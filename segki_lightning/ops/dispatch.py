@@ -131,15 +131,26 @@ def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False,
     return w if _skinny_ok(x, w, gated=gated, norm_w=norm_w) else None
 
 
+def _conv_fits(x: Tensor, c: int, conv_state: Tensor, conv_weight: Tensor) -> bool:
+    """Whether a native conv epilogue takes x ``[M, K]`` with the conv state ``[M, C, W <= 8]`` and taps ``[C, W]``
+    of the first C output columns (a GDN block's q|k|v)."""
+    return (x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[:2] == (x.shape[0], c)
+            and conv_state.shape[-1] <= 8 and conv_weight.shape == (c, conv_state.shape[-1]))
+
+
+def _skinny_conv_fits(x: Tensor, c: int, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None) -> bool:
+    """Whether the skinny product's conv epilogue runs natively on these inputs (whatever the rows)."""
+    ok = (_conv_fits(x, c, conv_state, conv_weight) and conv_state.shape[-1] >= 1
+          and (conv_bias is None or conv_bias.shape == (c,)))
+    return ok and eligible("skinny_linear", x, conv_state, conv_weight, conv_bias)
+
+
 def _skinny_conv_ok(x: Tensor, w_qkv: Tensor, conv_state: Tensor, conv_weight: Tensor,
                     conv_bias: Tensor | None) -> bool:
     """Whether the skinny product over a GDN input projection (q|k|v first) of x ``[M, K]`` runs the conv in its
     epilogue: at most ``SKINNY_CONV_ROWS`` rows, the conv state ``[M, C, W <= 8]`` of the C = q|k|v channels."""
-    c, rows = w_qkv.shape[0], x.numel() // max(x.shape[-1], 1)
-    ok = (rows <= SKINNY_CONV_ROWS and x.dim() == 2 and conv_state.dim() == 3
-          and conv_state.shape[:2] == (rows, c) and 1 <= conv_state.shape[-1] <= 8
-          and conv_weight.shape == (c, conv_state.shape[-1]) and (conv_bias is None or conv_bias.shape == (c,)))
-    return ok and eligible("skinny_linear", x, conv_state, conv_weight, conv_bias)
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows <= SKINNY_CONV_ROWS and _skinny_conv_fits(x, w_qkv.shape[0], conv_state, conv_weight, conv_bias)
 
 
 def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
@@ -325,11 +336,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 
 
 def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False,
-                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False) -> Tensor:
+                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False,
+                  conv_state: Tensor | None = None, conv_weight: Tensor | None = None,
+                  conv_bias: Tensor | None = None) -> Tensor:
     """See :func:`reference.skinny_linear`: natively where the skinny path takes the inputs (whatever the
-    ``SEGKI_SKINNY`` routing of the projections), else the reference."""
-    args = (x, weight, residual, gated, norm_w, norm_eps, norm_unit_offset)
-    if _skinny_ok(x, weight, residual, gated, norm_w):
+    ``SEGKI_SKINNY`` / ``SEGKI_SKINNY_CONV_ROWS`` routing of the projections), else the reference."""
+    args = (x, weight, residual, gated, norm_w, norm_eps, norm_unit_offset, conv_state, conv_weight, conv_bias)
+    c = conv_state.shape[1] if conv_state is not None and conv_state.dim() == 3 else -1
+    conv_ok = conv_state is None or (conv_weight is not None and not gated and residual is None and
+                                     _skinny_conv_fits(x, c, conv_state, conv_weight, conv_bias))
+    if conv_ok and _skinny_ok(x, weight, residual, gated, norm_w):
         return _native("skinny_linear")(*args)
     return reference.skinny_linear(*args)
 
@@ -420,9 +436,7 @@ def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) 
 
 def _gemv_fuses_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
     """Whether ``gdn_in_proj_conv``'s own native op (the GEMV with the conv epilogue) runs on these inputs."""
-    ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
-          and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
-          and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
+    ok = x.shape[-1] % 8 == 0 and _conv_fits(x, w_qkv.shape[0], conv_state, conv_weight)
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 

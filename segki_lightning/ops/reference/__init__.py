@@ -11,6 +11,6 @@ from .sampling import record_tokens, sample_tokens, uniform_noise
 __all__ = [
     "add_rms_norm", "attention_prologue", "decode_attention", "gated_mlp_front", "gated_rms_norm",
     "gdn_chunked", "gdn_conv_step", "gdn_decode_step", "gdn_gates", "gdn_in_proj", "gdn_in_proj_conv",
-    "gdn_recurrence", "gdn_recurrent_step", "l2norm", "linear",
-    "qkv_proj", "record_tokens", "rms_norm", "rope", "sample_tokens", "silu_mul", "skinny_linear", "uniform_noise", "valid_mask", "write_token",
+    "gdn_recurrence", "gdn_recurrent_step", "l2norm", "linear", "qkv_proj", "record_tokens", "rms_norm", "rope",
+    "sample_tokens", "silu_mul", "skinny_linear", "uniform_noise", "valid_mask", "write_token",
 ]
