@@ -1,6 +1,8 @@
 """Where one captured decode step spends its time: every kernel of the graph, grouped by name, with its
 calls and GPU microseconds per step, against the step's wall time (the difference is launch gaps and
-ramp/tail between dependent kernels).
+ramp/tail between dependent kernels). `profile_step_sequence.json` keeps one replay's kernels in launch order
+with their start and duration, to read a step op by op (run it under SEGKI_PDL=0: under PDL a kernel starts
+before its predecessor ends and its time includes the wait).
 
     python benchmarks/profile_step.py --out benchmarks/results/profile [--models 4b 0.8b] [--batch 1]
 """
@@ -37,7 +39,16 @@ def short(name: str) -> str:
     return "".join(out).replace("void ", "").strip()[:80]
 
 
-def profile_model(name: str, batch: int) -> list[dict]:
+def one_replay(kernels: list, name: str, batch: int) -> list[dict]:
+    """The first replay's kernels in launch order: start (us from the first) and duration."""
+    per_replay = len(kernels) // REPLAYS
+    first = sorted(kernels, key=lambda e: e.time_range.start)[:per_replay]
+    t0 = first[0].time_range.start
+    return [dict(model=name, batch=batch, i=i, kernel=short(e.name), start_us=round(e.time_range.start - t0, 2),
+                 us=round(e.time_range.elapsed_us(), 2)) for i, e in enumerate(first)]
+
+
+def profile_model(name: str, batch: int) -> tuple[list[dict], list[dict]]:
     model = build(name)
     engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
                            eos_token_id=[])
@@ -68,10 +79,11 @@ def profile_model(name: str, batch: int) -> list[dict]:
                      us_per_step=round(step_us, 1), pct_of_step=100.0))
     rows.append(dict(model=name, batch=batch, kernel="(gaps: wall - kernel time)", us_per_step=round(step_us - busy, 1),
                      pct_of_step=round(100 * (step_us - busy) / step_us, 1)))
+    sequence = one_replay(kernels, name, batch)
     engine.free()
     del engine, model
     torch.cuda.empty_cache()
-    return rows
+    return rows, sequence
 
 
 def main() -> None:
@@ -80,15 +92,18 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["4b", "0.8b"])
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
-    rows = []
+    rows, sequence = [], []
     for name in args.models:
-        rows += profile_model(name, args.batch)
+        model_rows, model_sequence = profile_model(name, args.batch)
+        rows += model_rows
+        sequence += model_sequence
         print(json.dumps(rows[-2:]), flush=True)
     header = (f"# One captured decode step, kernel by kernel (bf16, batch {args.batch}, {torch.cuda.get_device_name()})"
               f"\n\nCommand: `python benchmarks/profile_step.py --out DIR --models {' '.join(args.models)} "
               f"--batch {args.batch}`")
     write_results(args.out, "profile_step", rows, ["model", "batch", "kernel", "calls_per_step", "us_per_step",
                                                    "pct_of_step"], header)
+    (args.out / "profile_step_sequence.json").write_text(json.dumps(sequence))
     print((args.out / "profile_step.md").read_text())
 
 

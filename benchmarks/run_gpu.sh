@@ -15,8 +15,8 @@
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
 #   stream  benchmarks/bulk_stream.py: a block's copy-engine stream, bare and with GEMV products (bulk_stream/)
 #   skinny  benchmarks/skinny.py: the skinny product (1-16 rows) vs cuBLAS and the GEMVs, 4B and 0.8B (skinny/)
-#   skinny_ab benchmarks/decode.py at 1-8 rows, both models: the default against the skinny product's switches
-#           waiting for their measurement, SEGKI_SKINNY_CONV_ROWS=8 and SEGKI_SKINNY_GRID=116 / 100 (skinny_ab/)
+#   skinny_ab benchmarks/decode.py at 1-8 rows, both models: the default against SEGKI_SKINNY_CONV_ROWS=8, the GDN
+#           conv in the skinny product's epilogue (skinny_ab/)
 #   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
 #           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
@@ -76,8 +76,7 @@ for stage in "${stages[@]}"; do
              grep -E "^\| " "$out/bulk_stream/bulk_stream.md" | cut -c1-110 ;;
     skinny)  python3 benchmarks/skinny.py --out "$out/skinny" > "$out/skinny.log" 2>&1 || tail -5 "$out/skinny.log"
              grep -E "^\| " "$out/skinny/skinny.md" | cut -d'|' -f2-13 ;;
-    skinny_ab) for run in "default NONE=" "conv8 SEGKI_SKINNY_CONV_ROWS=8" "grid116 SEGKI_SKINNY_GRID=116" \
-                          "grid100 SEGKI_SKINNY_GRID=100"; do
+    skinny_ab) for run in "default NONE=" "conv8 SEGKI_SKINNY_CONV_ROWS=8"; do
                set -- $run
                env "$2" python3 benchmarks/decode.py --out "$out/skinny_ab/$1" --batches 1 2 4 8 --hf-eager-batches \
                  --hf-compile-batches --no-graph-only > "$out/skinny_ab_$1.log" 2>&1 || tail -5 "$out/skinny_ab_$1.log"

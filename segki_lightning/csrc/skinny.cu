@@ -355,7 +355,9 @@ Workspace workspace() {
 // tile (so each block has at least `parts` units and a tile spans at most two blocks). A grid of one block per
 // unit, which streams the narrow 0.8B products (64 tiles of 2 parts) on all 132 SMs instead of 64, lost in the
 // decode step (results/skinny/run7_grid/: 0.8B b=1 1189.0 -> 1149.6 tok/s, b=4 -5.4 %); likely reasons, not
-// measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait.
+// measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A
+// grid capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B
+// 357.2 -> 351.1; 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
 template <typename T, int NB, bool GATED>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, NB, GATED>;
@@ -364,9 +366,7 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  // SEGKI_SKINNY_GRID=<n>: at most n blocks, for the A/B of SMs left free for the next kernel's first copies
-  static const int cap = (int)env_long("SEGKI_SKINNY_GRID", kMaxGrid, 1, kMaxGrid);
-  const int grid = std::min({resident, a.tiles, kMaxGrid, cap});
+  const int grid = std::min({resident, a.tiles, kMaxGrid});
   launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   a);
 }
