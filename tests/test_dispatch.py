@@ -243,7 +243,7 @@ def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
 
 
 def test_skinny_conv_rows_switch_and_rule(monkeypatch):
-    """SEGKI_SKINNY_CONV_ROWS (dispatch.SKINNY_CONV_ROWS, 0 by default: not yet measured) bounds the rows at which
+    """SEGKI_SKINNY_CONV_ROWS (dispatch.SKINNY_CONV_ROWS, 8 by default) bounds the rows at which
     the skinny product runs the GDN conv; the conv state must be [rows, C of q|k|v, width <= 8]."""
     monkeypatch.setattr(dispatch, "eligible", lambda op, *t, **kw: True)
     x, wqkv = torch.randn(2, 64), torch.randn(48, 64)

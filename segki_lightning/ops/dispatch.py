@@ -29,9 +29,10 @@ GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj":
 # conv-state reads and writes grow with the rows, while the launch it saves does not.
 CONV_EPILOGUE_ROWS = 1
 # The same conv in the skinny product's epilogue (skinny_linear with conv_state), where the skinny product takes the
-# GDN input projection, up to SEGKI_SKINNY_CONV_ROWS rows (0-8). Not yet measured, so 0 by default: the conv runs
-# in gdn_decode_step, as before.
-SKINNY_CONV_ROWS = int(os.environ.get("SEGKI_SKINNY_CONV_ROWS", "0"))
+# GDN input projection, up to SEGKI_SKINNY_CONV_ROWS rows (0-8; 0: the conv runs in gdn_decode_step). As first
+# built it lost (results/skinny/run9_ab/: 0.8B b=1 1161.8 -> 1118.2 tok/s): every tile end read the conv windows and
+# taps; with them read ahead, 8 by default (not yet measured).
+SKINNY_CONV_ROWS = int(os.environ.get("SEGKI_SKINNY_CONV_ROWS", "8"))
 # A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after one
 # row: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to 16 rows, and
 # decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there (benchmarks/results/decode_limits/); at 2-4 rows,

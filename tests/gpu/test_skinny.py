@@ -110,15 +110,20 @@ def test_skinny_norm_prologue_refuses_a_norm_weight_of_another_width():
         torch.ops.segki.skinny_linear(x, w, None, False, randn(1024, dtype=torch.bfloat16), 1e-6, True)
 
 
+# the Qwen3.5 GDN shapes, and one whose blocks finish more conv tiles (~11.7 of one part each) than the kernel holds
+# windows for ahead (8): the tiles past them read theirs at the tile end
+CONV_SHAPES = {**{s: GDN_IN_SHAPES[s] for s in ("4b", "08b")}, "wide": (1024, 32, 64, 128, 128)}
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
-@pytest.mark.parametrize("shape", ["4b", "08b"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 12])
+@pytest.mark.parametrize("shape", list(CONV_SHAPES))
 def test_skinny_conv_epilogue_equals_the_product_then_the_conv_kernel_exactly(shape, rows, dtype, bias):
     """The GDN conv in the skinny product's epilogue, then the recurrence alone == the skinny product, then the conv
     and recurrence kernels (gdn_decode_step): the same bits in every output and both states (one conv rule on the
     rounded projection), the norm prologue included; and the conv output within tolerance of the fp32 reference."""
-    k, hk, hv, dk, dv = GDN_IN_SHAPES[shape]
+    k, hk, hv, dk, dv = CONV_SHAPES[shape]
     g = gdn_inputs(rows, hk, hv, dk, dv, dtype)
     c = g["qkv"].shape[1]
     sizes = [c, hv * dv, hv, hv]
