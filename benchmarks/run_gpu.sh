@@ -11,12 +11,11 @@
 #           tensor-core GEMV with one stage of loads in flight instead of two; the GDN input projection runs one
 #           stage at 9-16 rows either way; pipe/{two,one}_stage/kernels.json/md)
 #   decode  benchmarks/decode.py, ours + HF eager at batch 1      (decode.json/md/png; HF compile: own call)
-#   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1    (profile_step.json/md)
+#   profile benchmarks/profile_step.py, 4B and 0.8B at batch 1, plain and under SEGKI_PDL=0 (the kernels one after
+#           another: their times add up; profile_step*.json/md, profile_nopdl/)
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
 #   stream  benchmarks/bulk_stream.py: a block's copy-engine stream, bare and with GEMV products (bulk_stream/)
 #   skinny  benchmarks/skinny.py: the skinny product (1-16 rows) vs cuBLAS and the GEMVs, 4B and 0.8B (skinny/)
-#   skinny_ab benchmarks/decode.py at 1-8 rows, both models: the default against SEGKI_SKINNY_CONV_ROWS=8, the GDN
-#           conv in the skinny product's epilogue (skinny_ab/)
 #   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
 #           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
@@ -69,19 +68,15 @@ for stage in "${stages[@]}"; do
                <(grep -E "^\| (4b|0.8b)" "$out/pipe/one_stage/kernels.md" | cut -d'|' -f6-8) ;;
     decode)  python3 benchmarks/decode.py --out "$out" --hf-eager-batches 1 --hf-compile-batches > "$out/decode.log" 2>&1
              tail -32 "$out/decode.log" | cut -c1-160 ;;
-    profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1; grep -E "^\| (4b|0.8b)" "$out/profile_step.md" | head -60 ;;
+    profile) python3 benchmarks/profile_step.py --out "$out" > "$out/profile.log" 2>&1
+             SEGKI_PDL=0 python3 benchmarks/profile_step.py --out "$out/profile_nopdl" > "$out/profile_nopdl.log" 2>&1
+             grep -E "^\| (4b|0.8b)" "$out/profile_nopdl/profile_step.md" | head -40 ;;
     barrier) python3 benchmarks/launch_vs_barrier.py --out "$out/launch_vs_barrier" > "$out/barrier.log" 2>&1
              tail -20 "$out/barrier.log" | cut -c1-160 ;;
     stream)  python3 benchmarks/bulk_stream.py --out "$out/bulk_stream" > "$out/stream.log" 2>&1
              grep -E "^\| " "$out/bulk_stream/bulk_stream.md" | cut -c1-110 ;;
     skinny)  python3 benchmarks/skinny.py --out "$out/skinny" > "$out/skinny.log" 2>&1 || tail -5 "$out/skinny.log"
              grep -E "^\| " "$out/skinny/skinny.md" | cut -d'|' -f2-13 ;;
-    skinny_ab) for run in "default NONE=" "conv8 SEGKI_SKINNY_CONV_ROWS=8"; do
-               set -- $run
-               env "$2" python3 benchmarks/decode.py --out "$out/skinny_ab/$1" --batches 1 2 4 8 --hf-eager-batches \
-                 --hf-compile-batches --no-graph-only > "$out/skinny_ab_$1.log" 2>&1 || tail -5 "$out/skinny_ab_$1.log"
-               echo "-- $2"; grep -E "greedy" "$out/skinny_ab/$1/decode.md" | cut -d'|' -f2,4,6,7
-             done ;;
     attn)    for variant in online batched; do
                SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \
                  --batches 1 --only attention --attn-valid 512 2048 8192 16384 32768 > "$out/attn_$variant.log" 2>&1

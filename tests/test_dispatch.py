@@ -194,29 +194,9 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
     assert torch.equal(R.skinny_linear(x, wg, res), R.linear(x, wg, None, res))
     assert torch.equal(ops.skinny_linear(x, wg, res), R.linear(x, wg, None, res))   # CPU: the reference
     nw = torch.randn(64)
-    assert torch.equal(R.skinny_linear(x, packed, None, True, nw, 1e-6, True),
-                       R.gated_mlp_front(x, wg, wu, nw, 1e-6, True))
+    assert torch.equal(R.skinny_linear(x, packed, None, True, nw, 1e-6, True), R.gated_mlp_front(x, wg, wu, nw, 1e-6, True))
     assert torch.equal(ops.skinny_linear(x, wg, res, False, nw, 1e-6, False),
                        R.linear(R.rms_norm(x, nw, 1e-6, False), wg, None, res))
-
-
-def test_skinny_reference_with_the_conv_is_the_gdn_in_proj_conv_reference():
-    """The skinny product over a packed GDN input projection with a conv state: q|k|v through the conv token (the
-    state shifted in place), z, b, a as they are; the norm prologue first."""
-    from segki_lightning.ops import reference as R
-
-    rows, k, sizes, width = 3, 64, [48, 32, 4, 4], 4
-    x, nw = torch.randn(rows, k), torch.randn(k)
-    ws = [torch.randn(n, k) for n in sizes]
-    state, cw, cb = torch.randn(rows, 48, width), torch.randn(48, width), torch.randn(48)
-    state2, first = state.clone(), state.clone()
-    got = R.skinny_linear(x, torch.cat(ws), None, False, nw, 1e-6, True, state, cw, cb).split(sizes, dim=-1)
-    want = R.gdn_in_proj_conv(x, *ws, state2, cw, cb, nw, 1e-6, True)
-    for g, w in zip(got, want):
-        assert torch.allclose(g, w, atol=1e-5, rtol=1e-5)
-    assert torch.equal(state, state2)
-    via_ops = ops.skinny_linear(x, torch.cat(ws), None, False, nw, 1e-6, True, first, cw, cb)    # CPU: the reference
-    assert torch.equal(via_ops, torch.cat(got, dim=-1)) and torch.equal(first, state)
 
 
 def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
@@ -240,24 +220,6 @@ def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
     monkeypatch.setattr(dispatch, "FOLD_NORM", False)
     dispatch._skinny_joint(x, (w[:16], w[16:]), nw, 1e-6, True)
     assert calls == [("rms_norm", False), ("skinny_linear", False)]
-
-
-def test_skinny_conv_rows_switch_and_rule(monkeypatch):
-    """SEGKI_SKINNY_CONV_ROWS (dispatch.SKINNY_CONV_ROWS, 8 by default) bounds the rows at which
-    the skinny product runs the GDN conv; the conv state must be [rows, C of q|k|v, width <= 8]."""
-    monkeypatch.setattr(dispatch, "eligible", lambda op, *t, **kw: True)
-    x, wqkv = torch.randn(2, 64), torch.randn(48, 64)
-    state, cw = torch.randn(2, 48, 4), torch.randn(48, 4)
-    ok = dispatch._skinny_conv_ok
-    monkeypatch.setattr(dispatch, "SKINNY_CONV_ROWS", 0)
-    assert not ok(x, wqkv, state, cw, None)
-    monkeypatch.setattr(dispatch, "SKINNY_CONV_ROWS", 2)
-    assert ok(x, wqkv, state, cw, None) and ok(x, wqkv, state, cw, torch.randn(48))
-    assert not ok(x, wqkv, state[:1], cw, None)                          # a state of other rows
-    assert not ok(x, wqkv, torch.randn(2, 48, 9), torch.randn(48, 9), None)   # wider than 8
-    assert not ok(x, wqkv, state, cw, torch.randn(47))
-    monkeypatch.setattr(dispatch, "SKINNY_CONV_ROWS", 1)
-    assert not ok(x, wqkv, state, cw, None)
 
 
 def test_skinny_routing_by_rows_and_switch(monkeypatch):

@@ -22,12 +22,6 @@
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
 // (results/skinny/run6_fold_ring/).
-//
-// Conv epilogue (conv_state): the first output columns of a GDN block's packed input projection (q|k|v) go through
-// the block's causal conv token (common.cuh: conv_token, the rule gdn_conv_kernel runs: the same bits), so the
-// recurrence follows alone (gdn_recurrent_step) instead of the conv and recurrence kernels (gdn_decode_step). The
-// windows and taps of a block's first kConvAhead tiles are in registers before its first tile ends: read at the tile
-// end, they put two round trips on every tile's critical path, and the epilogue lost (results/skinny/run9_ab/).
 #include "bulk.cuh"
 #include "common.cuh"
 
@@ -54,10 +48,6 @@ struct SkinnyArgs {
   const T* norm_w;    // [k]: the RMSNorm applied to x as it is staged, or nullptr
   float norm_eps;
   bool norm_unit_offset;
-  T* conv_state;      // [m, conv_channels, conv_width]: the GDN conv of output columns < conv_channels, or nullptr
-  const T* conv_w;    // [conv_channels, conv_width]
-  const T* conv_b;    // [conv_channels] or nullptr
-  int conv_channels, conv_width;
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
@@ -72,77 +62,6 @@ struct SkinnyPlan {
 };
 
 constexpr int kMaxGrid = 1024;  // blocks the workspace has room for
-constexpr int kConvAhead = 8;   // tiles whose conv windows and taps a thread holds from the PDL wait on
-
-// Thread i's conv window and taps (x row i / 16, column i % 16) of tiles first .. first + kConvAhead - 1, the first
-// ones the block finishes: the taps (parameters) loaded before the PDL wait, the windows (state the previous step
-// wrote) right after it, so a tile end pays no round trip for them. Width 4 on 8-byte-aligned state and taps only
-// (Qwen3.5's; conv_token's fast path): other tiles and widths read theirs at the tile end.
-struct ConvAhead {
-  uint2 window[kConvAhead], taps[kConvAhead];
-  float bias[kConvAhead];
-  int first = 0;
-  bool held = false;
-};
-
-template <typename T>
-__device__ __forceinline__ bool conv_held_here(const SkinnyArgs<T>& a, int t, int j) {
-  return j >= 0 && j < kConvAhead && t * kTile + (int)(threadIdx.x % kTile) < a.conv_channels;
-}
-
-// The taps and biases of the tiles [first, last] this block finishes (before the PDL wait: parameters).
-template <typename T>
-__device__ __forceinline__ void conv_ahead_taps(const SkinnyArgs<T>& a, int first, int last, ConvAhead& ca) {
-  ca.first = first;
-  ca.held = a.conv_width == 4 &&
-            ((reinterpret_cast<uintptr_t>(a.conv_state) | reinterpret_cast<uintptr_t>(a.conv_w)) & 7) == 0;
-#pragma unroll
-  for (int j = 0; j < kConvAhead; ++j) {
-    const int t = first + j, col = t * kTile + (int)(threadIdx.x % kTile);
-    if (ca.held && t <= last && conv_held_here(a, t, j)) {
-      ca.taps[j] = *reinterpret_cast<const uint2*>(a.conv_w + (size_t)col * 4);
-      ca.bias[j] = a.conv_b ? to_float<T>(a.conv_b[col]) : 0.f;
-    }
-  }
-}
-
-// The windows of those tiles (after the PDL wait: the previous step's conv wrote them).
-template <typename T>
-__device__ __forceinline__ void conv_ahead_windows(const SkinnyArgs<T>& a, int last, ConvAhead& ca) {
-  const int xr = threadIdx.x / kTile;
-#pragma unroll
-  for (int j = 0; j < kConvAhead; ++j) {
-    const int t = ca.first + j, col = t * kTile + (int)(threadIdx.x % kTile);
-    if (ca.held && xr < a.m && t <= last && conv_held_here(a, t, j))
-      ca.window[j] = *reinterpret_cast<const uint2*>(a.conv_state + ((size_t)xr * a.conv_channels + col) * 4);
-  }
-}
-
-// The conv token of column `col` (< conv_channels) of x row xr in tile t, on the rounded projection y.
-template <typename T, bool CONV>
-__device__ __forceinline__ float conv_epilogue(const SkinnyArgs<T>& a, const ConvAhead& ca, int t, int xr, int col,
-                                               float y) {
-  T* st = a.conv_state + ((size_t)xr * a.conv_channels + col) * a.conv_width;
-  if constexpr (CONV) {
-    const int j = t - ca.first;
-    if (ca.held && conv_held_here(a, t, j)) {
-      uint2 window = ca.window[0], taps = ca.taps[0];
-      float bias = ca.bias[0];
-#pragma unroll
-      for (int i = 1; i < kConvAhead; ++i)  // a select, not an indexed (local-memory) array
-        if (i == j) {
-          window = ca.window[i];
-          taps = ca.taps[i];
-          bias = ca.bias[i];
-        }
-      float acc = conv4_sum<T>(window, taps, y);
-      *reinterpret_cast<uint2*>(st) = window;
-      if (a.conv_b) acc += bias;
-      return silu(acc);
-    }
-  }
-  return conv_token<T>(st, a.conv_w, a.conv_b, col, y, a.conv_width);
-}
 
 // The weight row that row r (0-15) of tile t is.
 template <bool GATED, typename T>
@@ -275,9 +194,9 @@ __device__ __forceinline__ void await(int* flag) {
 // How a block finishes tile `t` after the warps' sums are in `red`. head: the block started inside the tile, so
 // it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
 // block's published sums to its own and stores the outputs. Otherwise it stores them.
-template <typename T, bool GATED, bool CONV>
+template <typename T, bool GATED>
 __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool head, bool tail,
-                                            float (*red)[kMaxRows][kRedStride], const ConvAhead& ca) {
+                                            float (*red)[kMaxRows][kRedStride]) {
   const int i = threadIdx.x;
   const int xr = i / kTile, r = i % kTile;  // one (x row, weight row) per thread: 16 x 16 = 256 threads
   const bool mine = xr < a.m;
@@ -305,17 +224,14 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
       a.out[(size_t)xr * a.n + t * 8 + r] = from_float<T>(silu(gv) * uv);
     }
   } else if (mine) {
-    const int col = t * kTile + r;
-    const size_t o = (size_t)xr * a.n + col;
+    const size_t o = (size_t)xr * a.n + (size_t)t * kTile + r;
     float y = round_to<T>(v);
     if (a.residual) y += to_float<T>(a.residual[o]);
-    if (col < a.conv_channels)  // the channel's conv token on the rounded projection, as gdn_conv_kernel runs it
-      y = conv_epilogue<T, CONV>(a, ca, t, xr, col, y);
     a.out[o] = from_float<T>(y);
   }
 }
 
-template <typename T, int NB, bool GATED, bool CONV>
+template <typename T, int NB, bool GATED>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
   __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
@@ -346,12 +262,8 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   }
   // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait)
   const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
-  ConvAhead ca;
-  const int last_tile = (u1 - 1) / a.parts;  // the tiles this block finishes: from the first one it starts at part 0
-  if constexpr (CONV) conv_ahead_taps(a, u0 / a.parts + (u0 % a.parts != 0), last_tile, ca);
   pdl_launch_dependents();
   pdl_wait();
-  if constexpr (CONV) conv_ahead_windows(a, last_tile, ca);
   stage_x<T, NB>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0);  // red is free until the first tile ends
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   float acc[NB][4] = {};
@@ -365,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       stash<NB>(acc, red);
       consumers_sync();
       const bool head = u0 % a.parts != 0 && t == u0 / a.parts;
-      finish_tile<T, GATED, CONV>(a, t, head, p != a.parts - 1, red, ca);
+      finish_tile<T, GATED>(a, t, head, p != a.parts - 1, red);
       consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
@@ -434,9 +346,9 @@ Workspace workspace() {
 // measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A
 // grid capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B
 // 357.2 -> 351.1; 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
-template <typename T, int NB, bool GATED, bool CONV = false>
+template <typename T, int NB, bool GATED>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  constexpr auto kernel = skinny_kernel<T, NB, GATED, CONV>;
+  constexpr auto kernel = skinny_kernel<T, NB, GATED>;
   allow_dynamic_smem<kernel>(kSmemBytes);
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
@@ -447,30 +359,8 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
                   a);
 }
 
-// The GDN conv state, taps and bias of a projection whose first output columns are a GDN block's q|k|v.
-void check_conv(const char* op, const at::Tensor& x, int64_t m, int64_t n, bool gated, bool residual,
-                const at::Tensor& state, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(!gated && !residual, op, ": the conv epilogue takes a plain product (no gate, no residual)");
-  TORCH_CHECK(weight.has_value(), op, ": conv_state needs conv_weight");
-  check_cuda_half(state, op, "conv_state", x.scalar_type());
-  TORCH_CHECK(state.dim() == 3 && state.size(0) == m && state.size(1) <= n && state.size(2) >= 1 &&
-                  state.size(2) <= kMaxConvWidth,
-              op, ": conv_state ", state.sizes(), " must be [", m, " rows of x, C <= ", n, ", width <= ",
-              kMaxConvWidth, "]");
-  check_cuda_half(*weight, op, "conv_weight", x.scalar_type());
-  TORCH_CHECK(weight->dim() == 2 && weight->size(0) == state.size(1) && weight->size(1) == state.size(2), op,
-              ": conv_weight ", weight->sizes(), " must be [C, width] of conv_state ", state.sizes());
-  if (bias.has_value()) {
-    check_cuda_half(*bias, op, "conv_bias", x.scalar_type());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == state.size(1), op, ": conv_bias ", bias->sizes(),
-                " must be [", state.size(1), "]");
-  }
-}
-
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
-                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset,
-                         const c10::optional<at::Tensor>& conv_state, const c10::optional<at::Tensor>& conv_weight,
-                         const c10::optional<at::Tensor>& conv_bias) {
+                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset) {
   const char* op = "segki::skinny_linear";
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   check_cuda_half(w, op, "weight", x.scalar_type());
@@ -494,8 +384,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
                 "], one weight per input column");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(norm_w->data_ptr()) % 16 == 0, op, ": norm_w must start on 16 bytes");
   }
-  if (conv_state.has_value())
-    check_conv(op, x, m, n, gated, residual.has_value(), *conv_state, conv_weight, conv_bias);
   if (m == 0) return out;
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
@@ -514,13 +402,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.norm_w = norm_w.has_value() ? reinterpret_cast<const T*>(norm_w->data_ptr()) : nullptr;
     a.norm_eps = (float)norm_eps;
     a.norm_unit_offset = norm_unit_offset;
-    if (conv_state.has_value()) {
-      a.conv_state = reinterpret_cast<T*>(conv_state->data_ptr());
-      a.conv_w = reinterpret_cast<const T*>(conv_weight->data_ptr());
-      a.conv_b = conv_bias.has_value() ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr;
-      a.conv_channels = (int)conv_state->size(1);
-      a.conv_width = (int)conv_state->size(2);
-    }
     a.partial = ws.partial;
     a.ready = ws.ready;
     a.m = (int)m;
@@ -533,9 +414,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     if (gated) {
       if (m <= 8) launch<T, 1, true>(a, plan);
       else launch<T, 2, true>(a, plan);
-    } else if (a.conv_state) {
-      if (m <= 8) launch<T, 1, false, true>(a, plan);
-      else launch<T, 2, false, true>(a, plan);
     } else {
       if (m <= 8) launch<T, 1, false>(a, plan);
       else launch<T, 2, false>(a, plan);

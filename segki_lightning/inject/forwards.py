@@ -230,7 +230,7 @@ def _gdn_decode_call(self: nn.Module, x: Tensor, cache: Any) -> functools.partia
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor,
                 norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """One token per row against a static cache's states (updated in place): the fused decode step. Where
-    :func:`ops.fuses_gdn_conv` says so (1-8 rows) the conv runs in the input projection's epilogue (two launches
+    :func:`ops.fuses_gdn_conv` says so (one row) the conv runs in the input projection's epilogue (two launches
     before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
     applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``."""
     bsz, h, pro = x.shape[0], x[:, 0], norm_prologue(norm)                         # h [B, K]

@@ -28,11 +28,6 @@ GEMV_ROWS = {"linear": 16, "gated_mlp_front": 16, "qkv_proj": 16, "gdn_in_proj":
 # tok/s, 4B 321 -> 328) and loses 8 % at b=16 on 0.8B (9506 -> 8771) and 2 % on 4B: the epilogue's scalar
 # conv-state reads and writes grow with the rows, while the launch it saves does not.
 CONV_EPILOGUE_ROWS = 1
-# The same conv in the skinny product's epilogue (skinny_linear with conv_state), where the skinny product takes the
-# GDN input projection, up to SEGKI_SKINNY_CONV_ROWS rows (0-8; 0: the conv runs in gdn_decode_step). As first
-# built it lost (results/skinny/run9_ab/: 0.8B b=1 1161.8 -> 1118.2 tok/s): every tile end read the conv windows and
-# taps; with them read ahead, 8 by default (not yet measured).
-SKINNY_CONV_ROWS = int(os.environ.get("SEGKI_SKINNY_CONV_ROWS", "8"))
 # A single projection (o_proj, the GDN out_proj, down_proj) of a large weight leaves the native path after one
 # row: on the 4B shape (21-47 MB weights) the tensor-core path runs at 0.55-0.84x cuBLAS from 4 to 16 rows, and
 # decode gains 18 % at b=8 and 9 % at b=16 with cuBLAS there (benchmarks/results/decode_limits/); at 2-4 rows,
@@ -55,8 +50,7 @@ LARGE_FUSED_BYTES = 32 * 2**20
 BULK_ROWS, BULK_MAX_WEIGHT_BYTES, BULK_MAX_ROW_BYTES = 4, 16 * 2**20, 2048
 BULK_CHUNK_BYTES, BULK_SMEM_BYTES = 32 * 1024, 108 * 1024
 FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as their own kernels (for comparisons)
-# Rows up to which the norms fold into the copy-engine GEMV (the skinny product takes them at all its rows, see
-# below; benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in
+# Rows up to which the norms fold (benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in
 # one run): 1 row +5.4 % (1113 -> 1173 tok/s), 2 rows +1.8 %, 4 rows -3.2 % (each block normalizes every row
 # before its dot products; that grows with the rows, the launch saved does not).
 FOLD_ROWS = 2
@@ -68,10 +62,11 @@ FOLD_ROWS = 2
 # (benchmarks/results/skinny/): 4B decode b=1 327.0 -> 354.6 tok/s and b=4 1186.9 -> 1283.5 on the 4B weights
 # alone (run2); on every weight size 0.8B b=1 1163.1 -> 1187.0 and b=4 3280.1 -> 4458.7 (run3 -> run4, one machine),
 # though at one row it gives up the 0.8B conv epilogue. It runs the norm before it in its x staging (folds_norm):
-# against SEGKI_FOLD_NORM=0 in one run (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. At
-# 16 rows cuBLAS is faster on the 4B K = 2560 shapes (77-80 % of copy bandwidth against 65-75 %; 4B b=16 4218.9 ->
-# 4107.0 with it), hence the row limit. It holds x in shared memory for the whole product, so its rule
-# (skinny_fits) also bounds rows x K.
+# against SEGKI_FOLD_NORM=0 in one run (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. The
+# GDN conv in its epilogue lost twice and was removed (run9_ab, run10_conv_ahead: 0.8B b=1 -3.8 % with the windows
+# read at each tile end, -2.6 % with them read ahead). At 16 rows cuBLAS is faster on the 4B K = 2560 shapes
+# (77-80 % of copy bandwidth against 65-75 %; 4B b=16 4218.9 -> 4107.0 with it), hence the row limit. It holds x
+# in shared memory for the whole product, so its rule (skinny_fits) also bounds rows x K.
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 8
@@ -132,41 +127,17 @@ def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False,
     return w if _skinny_ok(x, w, gated=gated, norm_w=norm_w) else None
 
 
-def _conv_fits(x: Tensor, c: int, conv_state: Tensor, conv_weight: Tensor) -> bool:
-    """Whether a native conv epilogue takes x ``[M, K]`` with the conv state ``[M, C, W <= 8]`` and taps ``[C, W]``
-    of the first C output columns (a GDN block's q|k|v)."""
-    return (x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[:2] == (x.shape[0], c)
-            and conv_state.shape[-1] <= 8 and conv_weight.shape == (c, conv_state.shape[-1]))
-
-
-def _skinny_conv_fits(x: Tensor, c: int, conv_state: Tensor, conv_weight: Tensor, conv_bias: Tensor | None) -> bool:
-    """Whether the skinny product's conv epilogue runs natively on these inputs (whatever the rows)."""
-    ok = (_conv_fits(x, c, conv_state, conv_weight) and conv_state.shape[-1] >= 1
-          and (conv_bias is None or conv_bias.shape == (c,)))
-    return ok and eligible("skinny_linear", x, conv_state, conv_weight, conv_bias)
-
-
-def _skinny_conv_ok(x: Tensor, w_qkv: Tensor, conv_state: Tensor, conv_weight: Tensor,
-                    conv_bias: Tensor | None) -> bool:
-    """Whether the skinny product over a GDN input projection (q|k|v first) of x ``[M, K]`` runs the conv in its
-    epilogue: at most ``SKINNY_CONV_ROWS`` rows, the conv state ``[M, C, W <= 8]`` of the C = q|k|v channels."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    return rows <= SKINNY_CONV_ROWS and _skinny_conv_fits(x, w_qkv.shape[0], conv_state, conv_weight, conv_bias)
-
-
 def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
-                  gated: bool = False, conv: tuple = (None, None, None)) -> Tensor | None:
+                  gated: bool = False) -> Tensor | None:
     """The packed projections of x (after the norm prologue, inside the launch unless ``SEGKI_FOLD_NORM=0``) as one
-    skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied; ``conv``: the GDN conv state,
-    taps and bias for the first weight's columns), or None where it does not run (the caller's GEMV or cuBLAS path
-    then)."""
+    skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied), or None where it does not run
+    (the caller's GEMV or cuBLAS path then)."""
     w = _skinny_weight(x, weights, gated, norm_w if FOLD_NORM else None)
-    if w is None or (conv[0] is not None and not _skinny_conv_ok(x, weights[0], *conv)):
+    if w is None:
         return None
     if not FOLD_NORM:
         x, norm_w = _norm_first(x, norm_w, norm_eps, norm_unit_offset), None
-    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated, norm_w, norm_eps, norm_unit_offset,
-                                 *conv)
+    y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated, norm_w, norm_eps, norm_unit_offset)
     return y.unflatten(0, x.shape[:-1])
 
 
@@ -337,16 +308,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 
 
 def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False,
-                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False,
-                  conv_state: Tensor | None = None, conv_weight: Tensor | None = None,
-                  conv_bias: Tensor | None = None) -> Tensor:
+                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False) -> Tensor:
     """See :func:`reference.skinny_linear`: natively where the skinny path takes the inputs (whatever the
-    ``SEGKI_SKINNY`` / ``SEGKI_SKINNY_CONV_ROWS`` routing of the projections), else the reference."""
-    args = (x, weight, residual, gated, norm_w, norm_eps, norm_unit_offset, conv_state, conv_weight, conv_bias)
-    c = conv_state.shape[1] if conv_state is not None and conv_state.dim() == 3 else -1
-    conv_ok = conv_state is None or (conv_weight is not None and not gated and residual is None and
-                                     _skinny_conv_fits(x, c, conv_state, conv_weight, conv_bias))
-    if conv_ok and _skinny_ok(x, weight, residual, gated, norm_w):
+    ``SEGKI_SKINNY`` routing of the projections), else the reference."""
+    args = (x, weight, residual, gated, norm_w, norm_eps, norm_unit_offset)
+    if _skinny_ok(x, weight, residual, gated, norm_w):
         return _native("skinny_linear")(*args)
     return reference.skinny_linear(*args)
 
@@ -425,36 +391,27 @@ def gdn_in_proj(x, w_qkv, w_z, w_b, w_a, norm_w=None, norm_eps: float = 0.0,
 
 
 def fuses_gdn_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
-    """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch): in
-    the skinny product where it takes the projection (at most ``SKINNY_CONV_ROWS`` rows), else on the GEMVs (at most
-    ``CONV_EPILOGUE_ROWS`` rows, where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a conv width
-    of at most 8. Otherwise callers keep the projection (:func:`gdn_in_proj`) and the native conv + recurrence of
-    :func:`gdn_decode_step`."""
-    if _skinny_weight(x, (w_qkv, w_z, w_b, w_a)) is not None:
-        return _skinny_conv_ok(x, w_qkv, conv_state, conv_weight, conv_bias)
-    return _gemv_fuses_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias)
-
-
-def _gemv_fuses_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias) -> bool:
-    """Whether ``gdn_in_proj_conv``'s own native op (the GEMV with the conv epilogue) runs on these inputs."""
-    ok = x.shape[-1] % 8 == 0 and _conv_fits(x, w_qkv.shape[0], conv_state, conv_weight)
+    """Whether :func:`gdn_in_proj_conv` runs natively here (the conv in the projection's epilogue, one launch):
+    at most ``CONV_EPILOGUE_ROWS`` rows (where it measured faster; ``SEGKI_GEMV_MAX_ROWS`` does not move it), a
+    conv width of at most 8. Otherwise callers keep the projection (:func:`gdn_in_proj`) and the native conv +
+    recurrence of :func:`gdn_decode_step`."""
+    ok = (x.shape[-1] % 8 == 0 and x.dim() == 2 and conv_state.dim() == 3 and conv_state.shape[-1] <= 8
+          and conv_state.shape[:2] == (x.shape[0], w_qkv.shape[0])
+          and conv_weight.shape == (w_qkv.shape[0], conv_state.shape[-1]))
+    ok = ok and _skinny_weight(x, (w_qkv, w_z, w_b, w_a)) is None   # the skinny product takes the projection
     return eligible("gdn_in_proj_conv", x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias,
                     max_rows=min(CONV_EPILOGUE_ROWS, MAX_ROWS["gdn_in_proj"]), shape_ok=ok)
 
 
 def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias, norm_w=None,
                      norm_eps: float = 0.0, norm_unit_offset: bool = False) -> tuple[Tensor, ...]:
-    """See :func:`reference.gdn_in_proj_conv`; the norm prologue as in :func:`gated_mlp_front`. In the skinny
-    product where :func:`fuses_gdn_conv` says so, else the GEMV with the conv epilogue."""
+    """See :func:`reference.gdn_in_proj_conv`; the norm prologue as in :func:`gated_mlp_front`."""
     ws, conv = (w_qkv, w_z, w_b, w_a), (conv_state, conv_weight, conv_bias)
-    y = _skinny_joint(x, ws, norm_w, norm_eps, norm_unit_offset, conv=conv)
-    if y is not None:
-        return tuple(y.split([w.shape[0] for w in ws], dim=-1))                     # [B, C] [B, Hv*Dv] [B, Hv] x2
-    if _gemv_fuses_conv(x, *ws, *conv) and _takes_norm(x, norm_w, ws) and (
+    if fuses_gdn_conv(x, *ws, *conv) and _takes_norm(x, norm_w, ws) and (
             norm_w is None or eligible("gdn_in_proj_conv", norm_w, x)):
         return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv, norm_w, norm_eps, norm_unit_offset))
     x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-    if _gemv_fuses_conv(x, *ws, *conv):
+    if fuses_gdn_conv(x, *ws, *conv):
         return tuple(_native("gdn_in_proj_conv")(x, *ws, *conv))
     return reference.gdn_in_proj_conv(x, *ws, *conv)
 

@@ -14,8 +14,7 @@ def _linear(x, w, b, residual=None):
 
 
 @torch.library.register_fake("segki::skinny_linear")
-def _skinny(x, w, residual=None, gated=False, norm_w=None, norm_eps=0.0, norm_unit_offset=False, conv_state=None,
-            conv_weight=None, conv_bias=None):
+def _skinny(x, w, residual=None, gated=False, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
     return _out(x, w.shape[0] // 2 if gated else w.shape[0])
 
 

@@ -9,8 +9,7 @@ import torch
 from segki_lightning.ops import dispatch, reference as R
 from segki_lightning.ops.extension import native_ops
 
-from .test_kernels import DTYPES, GDN_IN_SHAPES, TOL, assert_every_element, captured, f32, gdn_inputs, poison, randn, \
-    rel_err
+from .test_kernels import DTYPES, TOL, assert_every_element, captured, f32, poison, randn, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -108,91 +107,6 @@ def test_skinny_norm_prologue_refuses_a_norm_weight_of_another_width():
     x, w = randn(2, 2560, dtype=torch.bfloat16), randn(256, 2560, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="norm_w.*must be \\[2560\\]"):
         torch.ops.segki.skinny_linear(x, w, None, False, randn(1024, dtype=torch.bfloat16), 1e-6, True)
-
-
-# the Qwen3.5 GDN shapes, and one whose blocks finish more conv tiles (~11.7 of one part each) than the kernel holds
-# windows for ahead (8): the tiles past them read theirs at the tile end
-CONV_SHAPES = {**{s: GDN_IN_SHAPES[s] for s in ("4b", "08b")}, "wide": (1024, 32, 64, 128, 128)}
-
-
-@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 12])
-@pytest.mark.parametrize("shape", list(CONV_SHAPES))
-def test_skinny_conv_epilogue_equals_the_product_then_the_conv_kernel_exactly(shape, rows, dtype, bias):
-    """The GDN conv in the skinny product's epilogue, then the recurrence alone == the skinny product, then the conv
-    and recurrence kernels (gdn_decode_step): the same bits in every output and both states (one conv rule on the
-    rounded projection), the norm prologue included; and the conv output within tolerance of the fp32 reference."""
-    k, hk, hv, dk, dv = CONV_SHAPES[shape]
-    g = gdn_inputs(rows, hk, hv, dk, dv, dtype)
-    c = g["qkv"].shape[1]
-    sizes = [c, hv * dv, hv, hv]
-    cb = randn(c, dtype=dtype, scale=0.5) if bias else None
-    x, w = randn(rows, k, dtype=dtype), randn(sum(sizes), k, dtype=dtype, scale=k**-0.5)
-    nw = randn(k, dtype=dtype, scale=0.2)
-    tail = (g["A_log"], g["dt_bias"], g["norm_weight"], 1e-6, hk, dk, dv)
-    state, rec = g["conv_state"].clone(), g["recurrent_state"].clone()
-    poison((rows, sum(sizes)), dtype=dtype)
-    y = torch.ops.segki.skinny_linear(x, w, None, False, nw, 1e-6, True, state, g["conv_weight"], cb)
-    mixed, z, b, a = y.split(sizes, dim=-1)
-    out = torch.ops.segki.gdn_recurrent_step(mixed, z, b, a, rec, *tail)
-    y2 = torch.ops.segki.skinny_linear(x, w, None, False, nw, 1e-6, True)
-    state2, rec2 = g["conv_state"].clone(), g["recurrent_state"].clone()
-    qkv2, z2, b2, a2 = (t.contiguous() for t in y2.split(sizes, dim=-1))
-    out2 = torch.ops.segki.gdn_decode_step(qkv2, z2, b2, a2, state2, g["conv_weight"], cb, rec2, *tail)
-    for got, want in ((out, out2), (state, state2), (rec, rec2), (y[:, c:], y2[:, c:])):
-        assert not torch.isnan(got).any() and torch.equal(got, want)
-    ref_state = g["conv_state"].float()
-    ref = R.skinny_linear(*f32(x, w), None, False, nw.float(), 1e-6, True, ref_state, *f32(g["conv_weight"], cb))
-    assert rel_err(mixed, ref[:, :c]) < TOL[dtype]
-    assert rel_err(state, ref_state) < TOL[dtype]
-
-
-def test_skinny_conv_epilogue_refuses_a_state_of_other_rows_with_what_to_change():
-    x, w = randn(2, 1024, dtype=torch.bfloat16), randn(256, 1024, dtype=torch.bfloat16)
-    state, cw = randn(3, 128, 4, dtype=torch.bfloat16), randn(128, 4, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="conv_state .* must be \\[2 rows of x"):
-        torch.ops.segki.skinny_linear(x, w, None, False, None, 0.0, False, state, cw, None)
-    with pytest.raises(RuntimeError, match="plain product"):
-        torch.ops.segki.skinny_linear(x, w, None, True, None, 0.0, False, state[:2], cw, None)
-
-
-@pytest.mark.parametrize("conv_rows", [0, 1, 8])
-def test_dispatch_runs_the_gdn_conv_in_the_skinny_epilogue_up_to_the_switch_rows(conv_rows, monkeypatch):
-    """``SEGKI_SKINNY_CONV_ROWS`` (dispatch.SKINNY_CONV_ROWS): at up to that many rows fuses_gdn_conv says yes and
-    gdn_in_proj_conv runs one skinny product with the conv; the outputs and state match the reference."""
-    from torch import nn
-
-    from segki_lightning import ops
-    from segki_lightning.inject.packing import pack_projections
-
-    monkeypatch.setattr(dispatch, "SKINNY_CONV_ROWS", conv_rows)
-    k, hk, hv, dk, dv = GDN_IN_SHAPES["08b"]
-    dtype, rows = torch.bfloat16, 2
-    g = gdn_inputs(rows, hk, hv, dk, dv, dtype)
-    c = g["qkv"].shape[1]
-    block = nn.Module()
-    for name, n in (("in_proj_qkv", c), ("in_proj_z", hv * dv), ("in_proj_b", hv), ("in_proj_a", hv)):
-        setattr(block, name, nn.Linear(k, n, bias=False, device="cuda", dtype=dtype))
-    block.__dict__["_segki_spec"] = None
-    assert pack_projections(block) == 1
-    ws = [block.in_proj_qkv.weight, block.in_proj_z.weight, block.in_proj_b.weight, block.in_proj_a.weight]
-    x, state, ref_state = randn(rows, k, dtype=dtype), g["conv_state"].clone(), g["conv_state"].float()
-    calls = []
-    real = torch.ops.segki.skinny_linear
-    monkeypatch.setattr(dispatch, "_native", lambda op: (lambda *a: calls.append(len(a) > 7 and a[7] is not None)
-                                                         or real(*a)) if op == "skinny_linear" else
-                        getattr(torch.ops.segki, op))
-    with torch.no_grad():
-        fused = ops.fuses_gdn_conv(x, *ws, state, g["conv_weight"], None)
-        assert fused == (rows <= conv_rows)
-        if fused:
-            outs = ops.gdn_in_proj_conv(x, *ws, state, g["conv_weight"], None)
-            assert calls == [True]
-            want = R.gdn_in_proj_conv(*f32(x, *ws), ref_state, g["conv_weight"].float(), None)
-            for got, ref in zip(outs, want):
-                assert rel_err(got, ref) < TOL[dtype]
-            assert rel_err(state, ref_state) < TOL[dtype]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 8, 9, 16])

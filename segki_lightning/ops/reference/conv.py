@@ -1,5 +1,5 @@
-"""The Gated DeltaNet's causal depthwise conv, one token per row: shared by the GDN decode step and the
-projections that run it in their epilogue (``gdn_in_proj_conv``, ``skinny_linear`` with a conv state)."""
+"""The Gated DeltaNet's causal depthwise conv, one token per row: shared by the GDN decode step and the input
+projection that runs it in its epilogue (``gdn_in_proj_conv``)."""
 from __future__ import annotations
 
 import torch

@@ -8,11 +8,9 @@ first ``rms_norm(x, norm_w, norm_eps, norm_unit_offset)`` (the native ops normal
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .conv import gdn_conv_step
 from .norm import rms_norm
 
 
@@ -29,22 +27,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
 
 
 def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False,
-                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False,
-                  conv_state: Tensor | None = None, conv_weight: Tensor | None = None,
-                  conv_bias: Tensor | None = None) -> Tensor:
+                  norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False) -> Tensor:
     """One product over a (packed) weight ``[R, K]``: :func:`linear` without bias, or with ``gated`` the weight's
     first half of rows as the gate and the second as up, ``silu_mul(x @ gate^T, x @ up^T)`` -> ``[..., R / 2]``.
-    With ``norm_w``, x goes through the RMSNorm first (:func:`rms_norm`'s roundings). With ``conv_state
-    [M, C, W]`` (x ``[M, K]``), the first C output columns (a GDN block's q|k|v) go through
-    :func:`gdn_conv_step`, which shifts the state in place: the columns of ``gdn_in_proj_conv``."""
+    With ``norm_w``, x goes through the RMSNorm first (:func:`rms_norm`'s roundings)."""
     x = normed_input(x, norm_w, norm_eps, norm_unit_offset)
     if gated:
         return silu_mul(*F.linear(x, weight).chunk(2, dim=-1))
-    y = linear(x, weight, None, residual)
-    if conv_state is None:
-        return y
-    c = conv_state.shape[1]
-    return torch.cat([gdn_conv_step(y[:, :c], conv_state, conv_weight, conv_bias), y[:, c:]], dim=-1)
+    return linear(x, weight, None, residual)
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
