@@ -198,7 +198,8 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
     assert torch.equal(R.skinny_linear(x, wg, res), R.linear(x, wg, None, res))
     assert torch.equal(ops.skinny_linear(x, wg, res), R.linear(x, wg, None, res))   # CPU: the reference
     nw = torch.randn(64)
-    assert torch.equal(R.skinny_linear(x, packed, None, True, nw, 1e-6, True), R.gated_mlp_front(x, wg, wu, nw, 1e-6, True))
+    assert torch.equal(R.skinny_linear(x, packed, None, True, nw, 1e-6, True),
+                       R.gated_mlp_front(x, wg, wu, nw, 1e-6, True))
     assert torch.equal(ops.skinny_linear(x, wg, res, False, nw, 1e-6, False),
                        R.linear(R.rms_norm(x, nw, 1e-6, False), wg, None, res))
 

@@ -50,9 +50,10 @@ LARGE_FUSED_BYTES = 32 * 2**20
 BULK_ROWS, BULK_MAX_WEIGHT_BYTES, BULK_MAX_ROW_BYTES = 4, 16 * 2**20, 2048
 BULK_CHUNK_BYTES, BULK_SMEM_BYTES = 32 * 1024, 108 * 1024
 FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as their own kernels (for comparisons)
-# Rows up to which the norms fold (benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in
-# one run): 1 row +5.4 % (1113 -> 1173 tok/s), 2 rows +1.8 %, 4 rows -3.2 % (each block normalizes every row
-# before its dot products; that grows with the rows, the launch saved does not).
+# Rows up to which the norms fold into the copy-engine GEMV (the skinny product takes them at all its rows, see
+# below; benchmarks/results/fold_norm_prologue/, 0.8B decode against SEGKI_FOLD_NORM=0 in one run): 1 row +5.4 %
+# (1113 -> 1173 tok/s), 2 rows +1.8 %, 4 rows -3.2 % (each block normalizes every row before its dot products; that
+# grows with the rows, the launch saved does not).
 FOLD_ROWS = 2
 
 
