@@ -204,25 +204,6 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
                        R.linear(R.rms_norm(x, nw, 1e-6, False), wg, None, res))
 
 
-def test_skinny_tail_reference_and_rule():
-    """The tail's reference is its three skinny products; ops.layer_tail (CPU: the three ops) gives the same; the
-    tail's own size rule: 1-8 rows, and x of the widest product leaves room for two of the largest units."""
-    from segki_lightning.ops import reference as R
-
-    x, w_out, res = torch.randn(3, 64), torch.randn(32, 64), torch.randn(3, 32)
-    wg, wu, w_down, nw = torch.randn(48, 32), torch.randn(48, 32), torch.randn(32, 48), torch.randn(32)
-    h = R.linear(x, w_out, None, res)
-    want = R.linear(R.gated_mlp_front(h, wg, wu, nw, 1e-6, True), w_down, None, h)
-    assert torch.equal(R.skinny_tail(x, w_out, res, torch.cat([wg, wu]), w_down, nw, 1e-6, True), want)
-    assert torch.equal(ops.layer_tail(x, w_out, None, res, wg, wu, w_down, nw, 1e-6, True), want)
-    fits = dispatch.skinny_tail_fits
-    assert all(fits(r, (2048, 1024, 3584), 2) for r in range(1, 9))        # the 0.8B tail
-    assert fits(1, (4096, 2560, 9216), 2) and fits(8, (2048, 1024, 9216), 2)
-    assert not fits(9, (2048, 1024, 3584), 2) and not fits(0, (2048, 1024, 3584), 2)
-    assert not fits(8, (2560, 2560, 9216), 2)                              # x of 8 x 9216 leaves < 2 x 42 KB
-    assert not fits(1, (2048, 1024, 8200), 2)                              # no part of K
-
-
 def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
     """Where the skinny product takes a packed projection, the norm before it rides in the same launch; under
     SEGKI_FOLD_NORM=0 (dispatch.FOLD_NORM) the norm kernel runs first and the product gets no norm."""

@@ -138,26 +138,12 @@ struct ConsumersSync {
 // one: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of every 2048 each, the same block
 // reduction), so the rows hold the bits that kernel would have stored and the product is exactly the one of its
 // output. Every row's stretch is requested at once; w0 (the thread's first 8 norm weights) came before the wait.
-// COHERENT: x was written by other blocks of the same launch (the tail's later products), so it is read from L2
-// (the read-only path may hold stale lines).
-template <bool COHERENT>
-__device__ __forceinline__ uint4 ld_x(const void* p) {
-  if constexpr (COHERENT) return __ldcg(reinterpret_cast<const uint4*>(p));
-  else return ld_cached(p);
-}
-
-template <typename T>
-__device__ __forceinline__ T ld_cg(const T* p) {
-  const unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
-  return *reinterpret_cast<const T*>(&v);
-}
-
-template <typename T, int NB, bool COHERENT = false>
+template <typename T, int NB>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0) {
   if (a.norm_w == nullptr) {
     for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
       const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
-      *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_x<COHERENT>(a.x + (size_t)r * a.k + c);
+      *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
     }
     return;
   }
@@ -167,8 +153,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
   for (int i = i0; i < a.k; i += kStride) {
     uint4 u[M];
 #pragma unroll
-    for (int r = 0; r < M; ++r)
-      u[r] = r < a.m ? ld_x<COHERENT>(a.x + (size_t)r * a.k + i) : make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < M; ++r) u[r] = r < a.m ? ld_cached(a.x + (size_t)r * a.k + i) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
       float v[8];
@@ -210,26 +195,26 @@ __device__ __forceinline__ void await(int* flag) {
 // it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
 // block's published sums to its own and stores the outputs. Otherwise it stores them.
 template <typename T, bool GATED>
-__device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int b, int t, bool head, bool tail,
+__device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool head, bool tail,
                                             float (*red)[kMaxRows][kRedStride]) {
   const int i = threadIdx.x;
   const int xr = i / kTile, r = i % kTile;  // one (x row, weight row) per thread: 16 x 16 = 256 threads
   const bool mine = xr < a.m;
   float v = mine ? warps_sum(red, xr, r) : 0.f;
   if (head) {
-    if (mine) a.partial[(size_t)b * kMaxRows * kTile + i] = v;
+    if (mine) a.partial[(size_t)blockIdx.x * kMaxRows * kTile + i] = v;
     consumers_sync();  // every thread's store is issued before the flag
     if (i == 0) {
       __threadfence();
-      publish(a.ready + b);
+      publish(a.ready + blockIdx.x);
     }
     return;
   }
   if (tail) {
-    if (i == 0) await(a.ready + b + 1);
+    if (i == 0) await(a.ready + blockIdx.x + 1);
     consumers_sync();
-    if (mine) v += __ldcg(a.partial + (size_t)(b + 1) * kMaxRows * kTile + i);
-    if (i == 0) a.ready[b + 1] = 0;  // consumed: zero again for the next launch
+    if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
+    if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
   }
   if constexpr (GATED) {
     // gate (r < 8) and up (r + 8) of one output sit in threads i and i + 8 of the same half-warp
@@ -241,7 +226,7 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int b, int t
   } else if (mine) {
     const size_t o = (size_t)xr * a.n + (size_t)t * kTile + r;
     float y = round_to<T>(v);
-    if (a.residual) y += to_float<T>(ld_cg(a.residual + o));  // L2: the tail writes it in the same launch
+    if (a.residual) y += to_float<T>(a.residual[o]);
     a.out[o] = from_float<T>(y);
   }
 }
@@ -292,168 +277,11 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       stash<NB>(acc, red);
       consumers_sync();
       const bool head = u0 % a.parts != 0 && t == u0 / a.parts;
-      finish_tile<T, GATED>(a, blockIdx.x, t, head, p != a.parts - 1, red);
+      finish_tile<T, GATED>(a, t, head, p != a.parts - 1, red);
       consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// The decoder layer's tail in one launch: h = x . W_out^T + residual, a = silu-gated(norm(h) . W_front^T),
-// out = a . W_down^T + h. Each product deals its units exactly as its own skinny_linear launch would (the same
-// grid, the same ranges, the same tile sums: the same bits), but the producer warp streams all three weights
-// through one ring without stopping at the products' boundaries, so the next product's first units land while
-// the grid waits for the previous one's outputs (an arrival counter per boundary). What the three launches pay at
-// each boundary instead: the block's exit, the next block's start and its first copies' latency.
-constexpr int kTailOps = 3;
-constexpr int kTailInFlight = 8;  // units in flight at most (one full/empty barrier pair each)
-
-template <typename T>
-struct TailArgs {
-  SkinnyArgs<T> op[kTailOps];  // out_proj + residual; gate|up (gated, the norm); down + residual (h)
-  int grid[kTailOps];          // blocks each product's units are dealt over: its own launch's grid
-  int ring_bytes;              // the ring: units of different sizes back to back, wrapping to its start
-  int* arrive;                 // [3]: blocks done with product 0, with product 1, with all (the last zeroes them)
-  bool release_arrive;         // arrive by a release reduction (else a full fence, then the atomic)
-  bool hold;                   // the producer waits for each boundary before the next product's copies
-  int last_base;               // the first block of the last product (0, or the top blocks: the first product's
-                               // blocks carry less of it)
-};
-
-__device__ __forceinline__ int unit_bytes(int kp, size_t elem) { return kTile * (kp + kPad) * (int)elem; }
-
-// Where the next unit of `bytes` starts in the ring after one that ended at `head`.
-__device__ __forceinline__ int ring_place(int head, int bytes, int ring) { return head + bytes > ring ? 0 : head; }
-
-// The producer's part of product `i`: its units of this block, each placed after the last; a unit waits until the
-// units it would overwrite are consumed (the oldest first: the ring is filled in order).
-template <bool GATED, typename T>
-__device__ __forceinline__ void tail_produce(const SkinnyArgs<T>& a, int grid, unsigned char* ring, int ring_bytes,
-                                             uint64_t* full, uint64_t* empty, int (&lo)[kTailInFlight],
-                                             int (&hi)[kTailInFlight], int& issued, int& oldest, int& head,
-                                             int base) {
-  const int b = (int)blockIdx.x - base;  // the block of the product's own launch that this one stands for
-  if (b < 0 || b >= grid) return;
-  const int units = a.tiles * a.parts, bytes = unit_bytes(a.kp, sizeof(T));
-  const int u0 = (int)((long long)b * units / grid), u1 = (int)((long long)(b + 1) * units / grid);
-  for (int u = u0; u < u1; ++u) {
-    const int at = ring_place(head, bytes, ring_bytes);
-    while (oldest < issued && (issued - oldest >= kTailInFlight ||
-                               (lo[oldest % kTailInFlight] < at + bytes && at < hi[oldest % kTailInFlight]))) {
-      mbar_wait(&empty[oldest % kTailInFlight], (unsigned)(oldest / kTailInFlight) & 1u);
-      ++oldest;
-    }
-    lo[issued % kTailInFlight] = at;
-    hi[issued % kTailInFlight] = at + bytes;
-    issue_unit<GATED>(a, u, reinterpret_cast<T*>(ring + at), &full[issued % kTailInFlight]);
-    head = at + bytes;
-    ++issued;
-  }
-}
-
-// The consumers' part of product `i`: skinny_kernel's loop over this block's units, on the ring's placement.
-template <typename T, int NB, bool GATED>
-__device__ __forceinline__ void tail_consume(const SkinnyArgs<T>& a, int grid, const unsigned char* ring,
-                                             int ring_bytes, const T* xs, uint64_t* full, uint64_t* empty,
-                                             float (*red)[kMaxRows][kRedStride], int& taken, int& head,
-                                             int base) {
-  const int b = (int)blockIdx.x - base;
-  if (b < 0 || b >= grid) return;
-  const int units = a.tiles * a.parts, bytes = unit_bytes(a.kp, sizeof(T));
-  const int u0 = (int)((long long)b * units / grid), u1 = (int)((long long)(b + 1) * units / grid);
-  float acc[NB][4] = {};
-  for (int u = u0; u < u1; ++u) {
-    const int at = ring_place(head, bytes, ring_bytes), t = u / a.parts, p = u - t * a.parts;
-    head = at + bytes;
-    mbar_wait(&full[taken % kTailInFlight], (unsigned)(taken / kTailInFlight) & 1u);
-    mma_unit<T, NB>(reinterpret_cast<const T*>(ring + at), xs, a.m, a.k, a.kp, p, acc);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[taken % kTailInFlight]);
-    ++taken;
-    if (p == a.parts - 1 || u == u1 - 1) {
-      stash<NB>(acc, red);
-      consumers_sync();
-      const bool head_tile = u0 % a.parts != 0 && t == u0 / a.parts;
-      finish_tile<T, GATED>(a, b, t, head_tile, p != a.parts - 1, red);
-      consumers_sync();
-#pragma unroll
-      for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
-    }
-  }
-}
-
-// Every block of the launch has stored its outputs of one product (counter: that product's arrivals); `gate`
-// opens for a holding producer.
-__device__ __forceinline__ void tail_boundary(int* counter, bool release_arrive, uint64_t* gate) {
-  consumers_sync();  // the block's stores are issued
-  if (threadIdx.x == 0) {
-    if (release_arrive) {
-      asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
-    } else {
-      __threadfence();
-      atomicAdd(counter, 1);
-    }
-    int v = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-    } while (v < (int)gridDim.x);
-    mbar_arrive(gate);
-  }
-  consumers_sync();
-}
-
-template <typename T, int NB>
-__global__ void __launch_bounds__(kThreads, 1) skinny_tail_kernel(const TailArgs<T> a) {
-  extern __shared__ __align__(128) unsigned char tail_smem[];  // ring [ring_bytes], then x [m][max k + kPad]
-  __shared__ __align__(8) uint64_t full[kTailInFlight], empty[kTailInFlight], gate[kTailOps - 1];
-  __shared__ float red[kWarps][kMaxRows][kRedStride];
-  unsigned char* ring = tail_smem;
-  T* xs = reinterpret_cast<T*>(tail_smem + a.ring_bytes);
-  const int warp = threadIdx.x >> 5;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kTailInFlight; ++s) {
-      mbar_init(&full[s]);
-      mbar_init(&empty[s], kWarps);
-    }
-    for (int s = 0; s < kTailOps - 1; ++s) mbar_init(&gate[s]);
-    bulk_fence_init();
-  }
-  __syncthreads();
-  if (warp == kWarps) {  // the producer: weights only, all three products' without a pause (unless holding)
-    pdl_launch_dependents();
-    int lo[kTailInFlight], hi[kTailInFlight], issued = 0, oldest = 0, head = 0;
-    tail_produce<false>(a.op[0], a.grid[0], ring, a.ring_bytes, full, empty, lo, hi, issued, oldest, head, 0);
-    if (a.hold) mbar_wait(&gate[0], 0);
-    tail_produce<true>(a.op[1], a.grid[1], ring, a.ring_bytes, full, empty, lo, hi, issued, oldest, head, 0);
-    if (a.hold) mbar_wait(&gate[1], 0);
-    tail_produce<false>(a.op[2], a.grid[2], ring, a.ring_bytes, full, empty, lo, hi, issued, oldest, head,
-                        a.last_base);
-    return;
-  }
-  const SkinnyArgs<T>& front = a.op[1];
-  const uint4 w0 = front.norm_w && threadIdx.x * 8 < front.k ? ld_cached(front.norm_w + threadIdx.x * 8)
-                                                              : make_uint4(0, 0, 0, 0);
-  pdl_launch_dependents();
-  pdl_wait();
-  float(*scratch)[32] = reinterpret_cast<float(*)[32]>(&red[0][0][0]);
-  int taken = 0, head = 0;
-  stage_x<T, NB>(a.op[0], xs, scratch, make_uint4(0, 0, 0, 0));
-  consumers_sync();
-  tail_consume<T, NB, false>(a.op[0], a.grid[0], ring, a.ring_bytes, xs, full, empty, red, taken, head, 0);
-  tail_boundary(a.arrive, a.release_arrive, &gate[0]);  // h is stored
-  stage_x<T, NB, true>(front, xs, scratch, w0);
-  consumers_sync();
-  tail_consume<T, NB, true>(front, a.grid[1], ring, a.ring_bytes, xs, full, empty, red, taken, head, 0);
-  tail_boundary(a.arrive + 1, a.release_arrive, &gate[1]);  // the gated activations are stored
-  stage_x<T, NB, true>(a.op[2], xs, scratch, make_uint4(0, 0, 0, 0));
-  consumers_sync();
-  tail_consume<T, NB, false>(a.op[2], a.grid[2], ring, a.ring_bytes, xs, full, empty, red, taken, head,
-                            a.last_base);
-  consumers_sync();
-  if (threadIdx.x == 0 && atomicAdd(a.arrive + 2, 1) == (int)gridDim.x - 1) {
-    a.arrive[0] = a.arrive[1] = a.arrive[2] = 0;  // every block is past both boundaries: zero for the next launch
   }
 }
 
@@ -493,7 +321,6 @@ bool skinny_plan(int m, int k, int rows, size_t elem, SkinnyPlan& plan) {
 struct Workspace {
   float* partial = nullptr;
   int* ready = nullptr;
-  int* arrive = nullptr;  // [kTailOps]: the tail's boundary and exit counters
 };
 
 Workspace workspace() {
@@ -511,8 +338,6 @@ Workspace workspace() {
     ws[dev].partial = keep.back().data_ptr<float>();
     keep.push_back(at::zeros({(long)kMaxGrid}, opts.dtype(at::kInt)));
     ws[dev].ready = keep.back().data_ptr<int>();
-    keep.push_back(at::zeros({(long)kTailOps}, opts.dtype(at::kInt)));
-    ws[dev].arrive = keep.back().data_ptr<int>();
     C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
   }
   return ws[dev];
@@ -526,20 +351,16 @@ Workspace workspace() {
 // grid capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B
 // 357.2 -> 351.1; 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
 template <typename T, int NB, bool GATED>
-int skinny_grid(const SkinnyPlan& plan, int tiles) {
+void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, NB, GATED>;
   allow_dynamic_smem<kernel>(kSmemBytes);
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return std::min({resident, tiles, kMaxGrid});
-}
-
-template <typename T, int NB, bool GATED>
-void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  launch_pdl_smem(skinny_kernel<T, NB, GATED>, dim3(skinny_grid<T, NB, GATED>(plan, a.tiles)), dim3(kThreads),
-                  (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1), a);
+  const int grid = std::min({resident, a.tiles, kMaxGrid});
+  launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
+                  a);
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
@@ -605,111 +426,8 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   return out;
 }
 
-
-// x [m, K0] -> out [m, H]: h = x . w_out^T + residual, a = silu(norm(h) . gate^T) * (norm(h) . up^T) from w_front
-// [2I, H] (gate rows, then up rows), out = a . w_down^T + h; 1-8 rows where each product alone takes the skinny
-// path. The same bits as the three skinny_linear launches (each product's units dealt as its own launch deals
-// them).
-at::Tensor skinny_tail(const at::Tensor& x, const at::Tensor& w_out, const at::Tensor& residual,
-                       const at::Tensor& w_front, const at::Tensor& w_down, const at::Tensor& norm_w, double norm_eps,
-                       bool norm_unit_offset) {
-  const char* op = "segki::skinny_tail";
-  TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
-  const auto dtype = x.scalar_type();
-  for (const auto* t : {&w_out, &residual, &w_front, &w_down, &norm_w}) check_cuda_half(*t, op, "each tensor", dtype);
-  const int64_t k0 = x.size(-1), m = x.numel() / std::max<int64_t>(k0, 1), h = w_out.size(0);
-  const int64_t inter = w_down.size(1);
-  TORCH_CHECK(w_out.dim() == 2 && w_out.size(1) == k0, op, ": w_out ", w_out.sizes(), " must be [H, ", k0, "]");
-  TORCH_CHECK(w_front.dim() == 2 && w_front.size(0) == 2 * inter && w_front.size(1) == h, op, ": w_front ",
-              w_front.sizes(), " must be [2 x ", inter, ", ", h, "] (gate rows, then up rows)");
-  TORCH_CHECK(w_down.dim() == 2 && w_down.size(0) == h, op, ": w_down ", w_down.sizes(), " must be [", h, ", I]");
-  TORCH_CHECK(residual.is_contiguous() && residual.numel() == m * h && residual.size(-1) == h, op, ": residual ",
-              residual.sizes(), " must be contiguous [", m, ", ", h, "]");
-  TORCH_CHECK(norm_w.dim() == 1 && norm_w.size(0) == h, op, ": norm_w ", norm_w.sizes(), " must be [", h, "]");
-  for (const auto* t : {&w_out, &w_front, &w_down, &norm_w})
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, op, ": every weight must start on 16 bytes");
-  auto shape = x.sizes().vec();
-  shape.back() = h;
-  auto out = at::empty(shape, x.options());
-  if (m == 0) return out;
-  c10::cuda::CUDAGuard guard(x.device());
-  TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
-  SkinnyPlan plans[kTailOps];
-  const int64_t ks[kTailOps] = {k0, h, inter}, rows[kTailOps] = {h, 2 * inter, h};
-  for (int i = 0; i < kTailOps; ++i)
-    TORCH_CHECK(m <= 8 && skinny_plan((int)m, (int)ks[i], (int)rows[i], x.element_size(), plans[i]), op,
-                ": product ", i, " (K = ", ks[i], ", ", rows[i], " weight rows) at ", m,
-                " rows is outside the skinny path (1-8 rows here); use the three products");
-  const long x_bytes = m * (std::max({k0, h, inter}) + kPad) * (long)x.element_size();
-  const int ring = (int)((kSmemBytes - x_bytes) & ~127L);
-  auto mid = at::empty({m, h}, x.options());
-  auto act = at::empty({m, inter}, x.options());
-  const Workspace ws = workspace();
-  SEGKI_DISPATCH_HALF(dtype, op, [&] {
-    TailArgs<T> a{};
-    auto ptr = [](const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
-    const at::Tensor* ins[kTailOps] = {&x, &mid, &act};
-    const at::Tensor* ws_[kTailOps] = {&w_out, &w_front, &w_down};
-    const at::Tensor* outs[kTailOps] = {&mid, &act, &out};
-    int largest_unit = 0;
-    for (int i = 0; i < kTailOps; ++i) {
-      SkinnyArgs<T>& o = a.op[i];
-      o.x = ptr(*ins[i]);
-      o.w = ptr(*ws_[i]);
-      o.out = ptr(*outs[i]);
-      o.partial = ws.partial;
-      o.ready = ws.ready;
-      o.m = (int)m;
-      o.k = (int)ks[i];
-      o.n = i == 1 ? (int)inter : (int)h;
-      o.kp = plans[i].kp;
-      o.parts = plans[i].parts;
-      o.tiles = (int)(rows[i] / kTile);
-      o.slots = plans[i].slots;
-      largest_unit = std::max(largest_unit, kTile * (o.kp + kPad) * (int)sizeof(T));
-    }
-    a.op[0].residual = ptr(residual);
-    a.op[1].norm_w = ptr(norm_w);
-    a.op[1].norm_eps = (float)norm_eps;
-    a.op[1].norm_unit_offset = norm_unit_offset;
-    a.op[2].residual = ptr(mid);
-    a.grid[0] = skinny_grid<T, 1, false>(plans[0], a.op[0].tiles);
-    a.grid[1] = skinny_grid<T, 1, true>(plans[1], a.op[1].tiles);
-    a.grid[2] = skinny_grid<T, 1, false>(plans[2], a.op[2].tiles);
-    a.ring_bytes = ring;
-    a.arrive = ws.arrive;
-    // SEGKI_SKINNY_TAIL=2: arrive by a release reduction; =3: the producer holds at each boundary (A/B of what the
-    // boundary costs); =4: the last product dealt over the top blocks
-    static const int mode = (int)env_long("SEGKI_SKINNY_TAIL", 1, 0, 4);
-    a.release_arrive = mode == 2;
-    a.hold = mode == 3;
-    TORCH_CHECK(ring >= 2 * largest_unit, op, ": x of ", m, " rows leaves a ring of ", ring,
-                " bytes, less than two units of ", largest_unit, "; use the three products");
-    constexpr auto kernel = skinny_tail_kernel<T, 1>;
-    allow_dynamic_smem<kernel>(kSmemBytes);
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)kSmemBytes));
-    const int grid = std::max({a.grid[0], a.grid[1], a.grid[2]});
-    a.last_base = mode == 4 ? grid - a.grid[2] : 0;  // =4: the down on the top blocks (balances 64-tile ends)
-    if (grid > per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount) {
-      // a product's own launch has more blocks than the tail can hold resident (small shared-memory blocks,
-      // several per SM): its three launches, the same bits
-      launch<T, 1, false>(a.op[0], plans[0]);
-      launch<T, 1, true>(a.op[1], plans[1]);
-      launch<T, 1, false>(a.op[2], plans[2]);
-      return;
-    }
-    launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)kSmemBytes, at::cuda::getCurrentCUDAStream(),
-                    dim3(1), a);
-  });
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(segki, CUDA, m) {
-  m.impl("skinny_linear", &skinny_linear);
-  m.impl("skinny_tail", &skinny_tail);
-}
+TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("skinny_linear", &skinny_linear); }
 
 }  // namespace segki

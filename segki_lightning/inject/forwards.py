@@ -137,11 +137,10 @@ def _attention_decode_call(self: nn.Module, args: tuple, kwargs: dict) -> functo
 
 def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables: tuple[Tensor, Tensor],
                       k_cache: Tensor, v_cache: Tensor, positions: Tensor, lengths: Tensor,
-                      norm: nn.Module | None = None, residual: Tensor | None = None, project: Any = None) -> Tensor:
+                      norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """``x [B, 1, H]`` -> ``[B, 1, H]``; the new key/value land in the caches at ``positions``, attention
     reads ``[0, lengths[b])``. ``norm``: an injected RMSNorm applied to x first, in the QKV projection;
-    ``residual [B, 1, H]``: added in the output projection; ``project``: that projection, as ``ops.linear``
-    (None; the decoder layer passes its whole tail there)."""
+    ``residual [B, 1, H]``: added in the output projection."""
     bsz, d = x.shape[0], s.head_dim
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
     q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias,
@@ -154,7 +153,7 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     gate = q.view(bsz, s.num_heads, 2 * d)[..., d:] if s.gated else None                         # [B, Hq, D]
     out = ops.decode_attention(query, k_cache, v_cache, lengths, s.scaling, gate)                 # [B, Hq, D]
     res = residual[:, 0] if residual is not None else None
-    return (project or ops.linear)(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias, res).view(bsz, 1, -1)
+    return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias, res).view(bsz, 1, -1)
 
 
 # ------------------------------------------------------------------------------------ Gated DeltaNet
@@ -229,12 +228,11 @@ def _gdn_decode_call(self: nn.Module, x: Tensor, cache: Any) -> functools.partia
 
 
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-                norm: nn.Module | None = None, residual: Tensor | None = None, project: Any = None) -> Tensor:
+                norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
     """One token per row against a static cache's states (updated in place): the fused decode step. Where
     :func:`ops.fuses_gdn_conv` says so (one row) the conv runs in the input projection's epilogue (two launches
     before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
-    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``; ``project``:
-    that projection, as ``ops.linear`` (None; the decoder layer passes its whole tail there)."""
+    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``."""
     bsz, h, pro = x.shape[0], x[:, 0], norm_prologue(norm)                         # h [B, K]
     w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
@@ -247,7 +245,7 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
         qkv, z, b, a = ops.gdn_in_proj(h, *w, **pro)
         core = ops.gdn_decode_step(qkv, z, b, a, *conv, *tail)
     res = residual[:, 0] if residual is not None else None
-    return (project or ops.linear)(core, self.out_proj.weight, None, res).view(bsz, 1, -1)
+    return ops.linear(core, self.out_proj.weight, None, res).view(bsz, 1, -1)
 
 
 # ------------------------------------------------------------------------------------- decoder layer
@@ -333,18 +331,9 @@ def _decode_layer(self: nn.Module, s: LayerSpec, x: Tensor, mixer_step: functool
     front takes norm2 inside its launch too (:func:`ops.folds_norm`: the 0.8B shapes at 1-2 rows), the first
     residual add moves into the mixer's output projection, so that no launch is left between the projections;
     elsewhere norm2 stays fused with that add. The same roundings either way (the projection rounded, then the
-    sum rounded). In the first case the output projection, norm2 and the MLP go to :func:`ops.layer_tail`, which
-    runs them as one launch where it can."""
+    sum rounded)."""
     mlp = self.mlp
     if _plain(mlp, gated_mlp_forward) and ops.folds_norm(x, mlp.gate_proj.weight, mlp.up_proj.weight, gated=True):
-        tail = functools.partial(_layer_tail, mlp, self.post_attention_layernorm)
-        return mixer_step(norm=self.input_layernorm, residual=x, project=tail)     # [B, 1, H]
+        h = mixer_step(norm=self.input_layernorm, residual=x)                      # [B, 1, H] = x + mixer(norm1(x))
+        return gated_mlp_forward(mlp, h, h, norm=self.post_attention_layernorm)
     return _mlp_half(self, s, mixer_step(norm=self.input_layernorm), x)
-
-
-def _layer_tail(mlp: nn.Module, norm: nn.Module, x: Tensor, w_out: Tensor, b_out: Tensor | None,
-                residual: Tensor) -> Tensor:
-    """``h = residual + x @ w_out^T (+ b_out)``, then ``h + mlp(norm(h))``: a mixer's output projection and the
-    rest of its decoder layer (:func:`ops.layer_tail`)."""
-    return ops.layer_tail(x, w_out, b_out, residual, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight,
-                          **norm_prologue(norm))

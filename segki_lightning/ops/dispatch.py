@@ -324,53 +324,6 @@ def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gat
     return reference.skinny_linear(*args)
 
 
-# The decoder layer's tail (the mixer's output projection + residual, the post-attention norm, gate|up, down +
-# residual) as one skinny launch (csrc/skinny.cu: skinny_tail) where each of its three products alone takes the
-# skinny path at 1-8 rows: the same bits as the three launches, with the weights streaming through the products'
-# boundaries. SEGKI_SKINNY_TAIL=1 turns it on (2 and 3: variants of its product boundary, csrc/skinny.cu); off by
-# default: not measured to win.
-SKINNY_TAIL = os.environ.get("SEGKI_SKINNY_TAIL", "0") != "0"
-
-
-def skinny_tail_fits(rows: int, ks: tuple[int, int, int], elem_size: int) -> bool:
-    """csrc/skinny.cu's rule for the tail beyond each product's own: 1-8 rows, and x of the widest product leaves
-    a ring of at least two of the largest units."""
-    if not 1 <= rows <= SKINNY_ROUTE_ROWS or any(skinny_part_cols(k) == 0 for k in ks):
-        return False
-    ring = (SKINNY_SMEM_BYTES - rows * (max(ks) + SKINNY_PAD) * elem_size) & ~127
-    return ring >= 2 * max(SKINNY_TILE * (skinny_part_cols(k) + SKINNY_PAD) * elem_size for k in ks)
-
-
-def _tail_front(x: Tensor, w_out: Tensor, b_out: Tensor | None, residual: Tensor, w_gate: Tensor, w_up: Tensor,
-                w_down: Tensor, norm_w: Tensor) -> Tensor | None:
-    """The packed gate|up weight when the skinny tail runs on these inputs, else None."""
-    if not (SKINNY_TAIL and FOLD_NORM) or b_out is not None or residual is None or norm_w is None:
-        return None
-    if not (_skinny_routes(x, w_out, w_gate, w_up, w_down) and _skinny_ok(x, w_out, residual)):
-        return None
-    front = _skinny_weight(residual, (w_gate, w_up), gated=True, norm_w=norm_w)
-    rows, size = x.numel() // x.shape[-1], x.element_size()
-    ok = (front is not None and w_down.dim() == 2 and w_down.is_contiguous() and w_down.data_ptr() % 16 == 0
-          and w_down.shape == (w_out.shape[0], w_gate.shape[0])
-          and skinny_fits(rows, w_down.shape[1], w_down.shape[0], size)
-          and skinny_tail_fits(rows, (x.shape[-1], w_out.shape[0], w_down.shape[1]), size))
-    return front if ok and eligible("skinny_tail", x, w_out, residual, front, w_down, norm_w) else None
-
-
-def layer_tail(x: Tensor, w_out: Tensor, b_out: Tensor | None, residual: Tensor, w_gate: Tensor, w_up: Tensor,
-               w_down: Tensor, norm_w: Tensor, norm_eps: float, norm_unit_offset: bool) -> Tensor:
-    """A decoder layer after its mixer, ``x [..., K]`` -> ``[..., H]``: ``h = residual + linear(x, w_out, b_out)``,
-    then ``h + down(gated_mlp_front(h))`` with the RMSNorm ``norm_w`` as the front's prologue. One skinny launch
-    where it runs (:data:`SKINNY_TAIL`), else these three ops: the same bits either way."""
-    front = _tail_front(x, w_out, b_out, residual, w_gate, w_up, w_down, norm_w)
-    if front is not None:
-        x2, res2 = x.reshape(-1, x.shape[-1]), residual.reshape(-1, residual.shape[-1])
-        y = _native("skinny_tail")(x2, w_out, res2, front, w_down, norm_w, norm_eps, norm_unit_offset)
-        return y.view(residual.shape)
-    h = linear(x, w_out, b_out, residual)
-    return linear(gated_mlp_front(h, w_gate, w_up, norm_w, norm_eps, norm_unit_offset), w_down, None, h)
-
-
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
                     norm_unit_offset: bool = False) -> Tensor:
     """See :func:`reference.gated_mlp_front`. At up to ``SKINNY_ROUTE_ROWS`` rows on packed weights: the skinny

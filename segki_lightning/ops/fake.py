@@ -18,11 +18,6 @@ def _skinny(x, w, residual=None, gated=False, norm_w=None, norm_eps=0.0, norm_un
     return _out(x, w.shape[0] // 2 if gated else w.shape[0])
 
 
-@torch.library.register_fake("segki::skinny_tail")
-def _skinny_tail(x, w_out, residual, w_front, w_down, norm_w, norm_eps, norm_unit_offset):
-    return _out(x, w_out.shape[0])
-
-
 @torch.library.register_fake("segki::gated_mlp_front")
 def _gated(x, wg, wu, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
     return _out(x, wg.shape[0])

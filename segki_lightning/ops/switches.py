@@ -25,10 +25,6 @@ KERNEL_SWITCHES = {
                                     "(1-8 rows) or the copy-engine GEMV (1-2 rows) after it"),
     "SEGKI_SKINNY": (("0",), "0: the projections at 1-8 rows on the GEMVs and cuBLAS instead of the skinny product"),
     "SEGKI_SKINNY_PART_COLS": ("<int >= 256>", "columns per part of K the skinny product aims at (unset: 1280)"),
-    "SEGKI_SKINNY_TAIL": (tuple("01234"), "1: a decoder layer's output projection, norm, gate|up and down as one "
-                                         "skinny launch at 1-8 rows; 2: arriving at its boundaries by a release "
-                                         "reduction; 3: its copies held at each boundary; 4: its down on the top "
-                                         "blocks (unset: three launches)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }

@@ -37,16 +37,6 @@ def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gat
     return linear(x, weight, None, residual)
 
 
-def skinny_tail(x: Tensor, w_out: Tensor, residual: Tensor, w_front: Tensor, w_down: Tensor, norm_w: Tensor,
-                norm_eps: float, norm_unit_offset: bool) -> Tensor:
-    """A decoder layer's tail after its mixer: ``h = residual + x @ w_out^T``, then ``h + down(silu(gate(n)) *
-    up(n))`` with ``n = rms_norm(h)`` and ``w_front [2I, H]`` the gate rows, then the up rows. Three
-    :func:`skinny_linear` products, rounded as each would be alone."""
-    h = skinny_linear(x, w_out, residual)
-    a = skinny_linear(h, w_front, gated=True, norm_w=norm_w, norm_eps=norm_eps, norm_unit_offset=norm_unit_offset)
-    return skinny_linear(a, w_down, h)
-
-
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
                     norm_unit_offset: bool = False) -> Tensor:
     """``silu(x @ w_gate^T) * (x @ w_up^T)``: ``x [..., K]``, ``w_* [I, K]`` -> ``[..., I]``.
