@@ -16,8 +16,6 @@
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
 #   stream  benchmarks/bulk_stream.py: a block's copy-engine stream, bare and with GEMV products (bulk_stream/)
 #   skinny  benchmarks/skinny.py: the skinny product (1-16 rows) vs cuBLAS and the GEMVs, 4B and 0.8B (skinny/)
-#   parts   benchmarks/decode.py, 4B at 1-2 rows: the skinny product's parts of K as they are against
-#           SEGKI_SKINNY_PART_COLS=1536 (the 4B down in 6 parts of 3 KB copies; parts/{default,p1536}/)
 #   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
 #           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
@@ -79,12 +77,6 @@ for stage in "${stages[@]}"; do
              grep -E "^\| " "$out/bulk_stream/bulk_stream.md" | cut -c1-110 ;;
     skinny)  python3 benchmarks/skinny.py --out "$out/skinny" > "$out/skinny.log" 2>&1 || tail -5 "$out/skinny.log"
              grep -E "^\| " "$out/skinny/skinny.md" | cut -d'|' -f2-13 ;;
-    parts)   for run in "default NONE=" "p1536 SEGKI_SKINNY_PART_COLS=1536"; do
-               set -- $run
-               env "$2" python3 benchmarks/decode.py --out "$out/parts/$1" --models 4b --batches 1 2 --hf-eager-batches \
-                 --hf-compile-batches --no-graph-only > "$out/parts_$1.log" 2>&1 || tail -5 "$out/parts_$1.log"
-               echo "-- $2"; grep -E "ours" "$out/parts/$1/decode.md" | cut -d'|' -f2,4,5,6,7
-             done ;;
     attn)    for variant in online batched; do
                SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \
                  --batches 1 --only attention --attn-valid 512 2048 8192 16384 32768 > "$out/attn_$variant.log" 2>&1

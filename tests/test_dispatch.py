@@ -176,10 +176,6 @@ def test_skinny_rule_parts_of_k_and_shared_memory():
     its size rule (x and three slots in 218 KB), as csrc/skinny.cu plans them."""
     assert [dispatch.skinny_part_cols(k) for k in (2560, 4096, 9216, 1024, 3584, 512, 8200, 72)] == \
         [1280, 1024, 1024, 1024, 1792, 512, 0, 0]
-    # SEGKI_SKINNY_PART_COLS=1536 moves the 4B down (K = 9216) to 6 parts and no other Qwen3.5 shape
-    assert [dispatch.skinny_part_cols(k, 1536) for k in (2560, 4096, 9216, 1024, 3584, 2048)] == \
-        [1280, 1024, 1536, 1024, 1792, 1024]
-    assert [dispatch.skinny_part_cols(k, 2048) for k in (2560, 4096, 9216, 2048)] == [2560, 2048, 2304, 2048]
     fits = dispatch.skinny_fits
     assert fits(16, 2560, 18432, 2) and fits(16, 2560, 12352, 2) and fits(1, 2560, 248320, 2)
     assert fits(8, 4096, 2560, 2) and not fits(16, 4096, 2560, 2)         # x of 16 rows x 4096 leaves 2 slots

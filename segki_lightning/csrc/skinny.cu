@@ -287,16 +287,14 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
 
 // Columns per part of K: a divisor of K that is a multiple of 256 (8 warps x 32), closest to 1280 (row copies of
 // 2-4 KB: a block completes one copy per ~55 ns, so copies below 2 KB cap its stream, results/mma_ring/); the
-// smaller on a tie. 0: none. SEGKI_SKINNY_PART_COLS=<n> aims at n columns instead (ops/dispatch.py reads it too),
-// for the A/B of longer copies on the 4B down (K = 9216: 9 parts of 1024 columns, 57 % of its bytes' time alone,
-// results/skinny/run9_profile/; 1536 gives 6 parts of 3 KB copies and leaves every other Qwen3.5 shape as it is).
+// smaller on a tie. 0: none. Longer copies did not pay: the 4B down (K = 9216) in 6 parts of 3 KB copies instead of
+// 9 of 2 KB lost at 4B b=1 (359.2 -> 350.2 tok/s, results/skinny/run12_parts/).
 int part_cols(int k) {
-  static const int target = (int)env_long("SEGKI_SKINNY_PART_COLS", 1280, 256, 1 << 20);
   int best = 0;
   for (int p = 1; p <= 64; ++p) {
     if (k % p != 0 || (k / p) % (kWarps * 32) != 0) continue;
     const int kp = k / p;
-    const int d = std::abs(kp - target), best_d = std::abs(best - target);
+    const int d = std::abs(kp - 1280), best_d = std::abs(best - 1280);
     if (best == 0 || d < best_d || (d == best_d && kp < best)) best = kp;
   }
   return best;

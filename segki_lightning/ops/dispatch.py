@@ -74,21 +74,15 @@ SKINNY_ROUTE_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
 
 
-# The skinny product's columns per part of K aim at SKINNY_PART_COLS (SEGKI_SKINNY_PART_COLS; csrc/skinny.cu reads
-# the same variable): row copies of 2.5 KB in bf16. Not measured at other values yet.
-SKINNY_PART_COLS = int(os.environ.get("SEGKI_SKINNY_PART_COLS", "1280"))
-
-
-def skinny_part_cols(k: int, target: int | None = None) -> int:
+def skinny_part_cols(k: int) -> int:
     """Columns per part of K on the skinny path (csrc/skinny.cu: part_cols): the divisor of K that is a multiple
-    of 256 closest to ``target`` (``SKINNY_PART_COLS``; the smaller on a tie), or 0 when there is none."""
-    target = SKINNY_PART_COLS if target is None else target
+    of 256 closest to 1280 (the smaller on a tie), or 0 when there is none."""
     best = 0
     for p in range(1, 65):
         kp, rem = divmod(k, p)
         if rem or kp % 256:
             continue
-        if best == 0 or (abs(kp - target), kp) < (abs(best - target), best):
+        if best == 0 or (abs(kp - 1280), kp) < (abs(best - 1280), best):
             best = kp
     return best
 
