@@ -150,3 +150,30 @@ def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
     assert "longest segment 3 " in summary
     top = summary.split("samples outside rollout_and_score\n")[1].splitlines()[0].split()
     assert int(top[0]) >= 20 and top[1] == "0" and "slow_first_use" in top[2]
+
+
+def test_skinny_timeline_reads_phases_gaps_and_dry_time_per_sm():
+    """Two launches of two blocks on SMs 3 and 5: each phase's mean, the span, the end spread, and against the
+    previous block on the same SM the gap to this block's start and the dry time to its first unit."""
+    tl = load_script("skinny_timeline")
+    ns = 1000   # stamps are in ns, the summary in us
+
+    def rec(launch, block, sm, times):
+        return [launch << 32 | block, sm << 32 | 2, *(t * ns for t in times)]
+
+    words = [rec(7, 0, 3, [0, 1, 2, 4, 8, 9]), rec(7, 1, 5, [1, 1, 3, 4, 9, 11]),
+             rec(8, 0, 3, [10, 10, 12, 13, 14, 15]), rec(8, 1, 5, [12, 12, 13, 15, 16, 16]),
+             rec(99, 0, 3, [0, 0, 0, 0, 0, 0])]          # a launch the table does not know: left out
+    table = [dict(launch=7, rows=1, k=2048, n=1024, gated=0, grid=2, parts=2, tiles=64),
+             dict(launch=8, rows=1, k=1024, n=3584, gated=1, grid=2, parts=1, tiles=448)]
+    launches, per_shape = tl.summarize(tl.blocks_of(words), table)
+    first, second = launches
+    assert first["shape"] == "1x2048->1024" and second["shape"] == "1x1024->3584 gated"
+    assert first["at_us"] == 0 and second["at_us"] == 10
+    assert first["span_us"] == 11 and first["end_spread_us"] == 1          # ends 9 and 11, median 10
+    assert first["start_waited"] == 0.5 and first["waited_staged"] == 1.5 and first["staged_first"] == 1.5
+    assert first["first_last"] == 4.5 and first["last_end"] == 1.5
+    assert first["gap_us"] is None and first["dry_us"] is None              # nothing before on those SMs
+    assert second["gap_us"] == 1.0 and second["dry_us"] == 4.0              # SM 3: 9 -> 10 (13); SM 5: 11 -> 12 (15)
+    assert [r["shape"] for r in per_shape] == ["1x2048->1024", "1x1024->3584 gated"]
+    assert per_shape[1]["gap_us"] == 1.0 and "at_us" not in per_shape[1]

@@ -54,6 +54,8 @@ struct SkinnyArgs {
   int m, k, n;        // n: output columns
   int kp, parts;      // columns per part of K, parts per row (kp a multiple of 8 warps x 32)
   int tiles, slots;
+  unsigned long long* stamps;  // the timeline's buffer (the stamping launches only; see skinny_stamps)
+  int launch_id;
 };
 
 struct SkinnyPlan {
@@ -62,6 +64,37 @@ struct SkinnyPlan {
 };
 
 constexpr int kMaxGrid = 1024;  // blocks the workspace has room for
+
+// The timeline (benchmarks/skinny_timeline.py): while a stamp buffer is set (segki::skinny_stamps), launches take
+// the kernel's stamping instantiation, whose consumer thread 0 writes one record per block: [launch id << 32 |
+// block, SM << 32 | grid, then %globaltimer at the block's start, its PDL wait's return, x staged, the first unit
+// landed, the last unit multiplied, its end]. Buffer: [0] records written, [1] room for records, records from
+// word kStampWords on. Other launches run the instantiation without stamps.
+constexpr int kStampWords = 8;
+constexpr int kStampTimes = 6;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned sm_id() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+__device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch_id,
+                                             const unsigned long long (&t)[kStampTimes]) {
+  const unsigned long long i = atomicAdd(buf, 1ull);
+  if (i >= buf[1]) return;  // full: the record is dropped (the count still says how many came)
+  unsigned long long* r = buf + kStampWords * (i + 1);
+  r[0] = ((unsigned long long)(unsigned)launch_id << 32) | blockIdx.x;
+  r[1] = ((unsigned long long)sm_id() << 32) | gridDim.x;
+#pragma unroll
+  for (int j = 0; j < kStampTimes; ++j) r[2 + j] = t[j];
+}
 
 // The weight row that row r (0-15) of tile t is.
 template <bool GATED, typename T>
@@ -231,8 +264,10 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
   }
 }
 
-template <typename T, int NB, bool GATED>
+template <typename T, int NB, bool GATED, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
+  unsigned long long stamp[kStampTimes] = {};  // STAMP only: the block's phases (see write_stamps)
+  if constexpr (STAMP) stamp[0] = global_ns();
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
   __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
@@ -264,13 +299,21 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
+  if constexpr (STAMP) stamp[1] = global_ns();
   stage_x<T, NB>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0);  // red is free until the first tile ends
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
+  if constexpr (STAMP) stamp[2] = global_ns();
   float acc[NB][4] = {};
   for (int u = u0; u < u1; ++u) {
     const int c = u - u0, slot = c % a.slots, t = u / a.parts, p = u - t * a.parts;
     mbar_wait(&full[slot], (unsigned)(c / a.slots) & 1u);
+    if constexpr (STAMP) {
+      if (c == 0) stamp[3] = global_ns();
+    }
     mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.k, a.kp, p, acc);
+    if constexpr (STAMP) {
+      if (u == u1 - 1) stamp[4] = global_ns();
+    }
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);  // this warp is done with the slot
     if (p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
@@ -281,6 +324,12 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    }
+  }
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) {
+      stamp[5] = global_ns();
+      write_stamps(a.stamps, a.launch_id, stamp);
     }
   }
 }
@@ -341,6 +390,39 @@ Workspace workspace() {
   return ws[dev];
 }
 
+// The timeline's host side: the buffer later launches stamp into (null: none), and the launches made since the
+// last skinny_stamps call, 8 numbers each: launch id, rows, K, output columns, gated, grid, parts, tiles.
+struct StampState {
+  unsigned long long* buf = nullptr;
+  int next_id = 0;
+  std::vector<int64_t> table;
+};
+
+StampState& stamp_state() {
+  static StampState state;
+  return state;
+}
+
+// With `stamp`, sets the buffer (int64 [kStampWords x (1 + records)], word 1 the room for records) that the skinny
+// launches from now on stamp into; without, none. Returns the launches stamped since the previous call, [L, 8] on
+// the CPU. A graph captured while a buffer is set stamps into it at every replay.
+at::Tensor skinny_stamps(const at::Tensor& buf, bool stamp) {
+  StampState& state = stamp_state();
+  const int64_t rows = (int64_t)state.table.size() / 8;
+  auto table = at::empty({rows, 8}, at::TensorOptions().dtype(at::kLong));
+  std::copy(state.table.begin(), state.table.end(), table.data_ptr<int64_t>());
+  state.table.clear();
+  state.buf = nullptr;
+  if (stamp) {
+    TORCH_CHECK(buf.is_cuda() && buf.is_contiguous() && buf.scalar_type() == at::kLong &&
+                    buf.numel() >= 2 * kStampWords,
+                "segki::skinny_stamps: the buffer must be a contiguous CUDA int64 tensor of at least ", 2 * kStampWords,
+                " words (a header and one record)");
+    state.buf = reinterpret_cast<unsigned long long*>(buf.data_ptr<int64_t>());
+  }
+  return table;
+}
+
 // The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per
 // tile (so each block has at least `parts` units and a tile spans at most two blocks). A grid of one block per
 // unit, which streams the narrow 0.8B products (64 tiles of 2 parts) on all 132 SMs instead of 64, lost in the
@@ -350,15 +432,27 @@ Workspace workspace() {
 // 357.2 -> 351.1; 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
 template <typename T, int NB, bool GATED>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  constexpr auto kernel = skinny_kernel<T, NB, GATED>;
+  constexpr auto kernel = skinny_kernel<T, NB, GATED, false>;
   allow_dynamic_smem<kernel>(kSmemBytes);
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int grid = std::min({resident, a.tiles, kMaxGrid});
-  launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
-                  a);
+  StampState& stamps = stamp_state();
+  if (stamps.buf == nullptr) {
+    launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
+                    a);
+    return;
+  }
+  constexpr auto stamped = skinny_kernel<T, NB, GATED, true>;
+  allow_dynamic_smem<stamped>(kSmemBytes);
+  SkinnyArgs<T> s = a;
+  s.stamps = stamps.buf;
+  s.launch_id = stamps.next_id++;
+  stamps.table.insert(stamps.table.end(), {s.launch_id, a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts, a.tiles});
+  launch_pdl_smem(stamped, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
+                  s);
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
@@ -426,6 +520,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(segki, CUDA, m) { m.impl("skinny_linear", &skinny_linear); }
+TORCH_LIBRARY_IMPL(segki, CUDA, m) {
+  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_stamps", &skinny_stamps);
+}
 
 }  // namespace segki

@@ -184,3 +184,34 @@ def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
 
     got = ops.skinny_linear(x, w)
     assert rel_err(got, want(x, w, False)) < 1e-2
+
+
+def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit():
+    """While a stamp buffer is set, each block writes one record (launch id, block, SM, grid, six times in phase
+    order) and the launch table names the launch's shape; the outputs are the plain launch's bits; once unset, no
+    launch writes."""
+    n, k, _ = SHAPES["split_tiles"]
+    x, w = randn(3, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    plain = torch.ops.segki.skinny_linear(x, w)
+    room, words = 512, 8
+    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
+    buf[1] = room
+    torch.ops.segki.skinny_stamps(buf, True)
+    stamped = torch.ops.segki.skinny_linear(x, w)
+    table = torch.ops.segki.skinny_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert torch.equal(stamped, plain)
+    assert table.shape == (1, 8)
+    launch, rows, kk, nn, gated, grid, parts, tiles = table[0].tolist()
+    assert (rows, kk, nn, gated, tiles) == (3, k, n, 0, n // 16) and parts == k // dispatch.skinny_part_cols(k)
+    count = int(buf[0])
+    assert count == grid
+    rec = buf[words:words * (count + 1)].view(count, words).cpu()
+    assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid))
+    assert ((rec[:, 0] >> 32) == launch).all() and ((rec[:, 1] & 0xFFFFFFFF) == grid).all()
+    times = rec[:, 2:]
+    assert (times[:, 1:] >= times[:, :-1]).all() and (times[:, 0] > 0).all()
+    torch.ops.segki.skinny_linear(x, w)
+    torch.cuda.synchronize()
+    assert int(buf[0]) == count
+    assert torch.ops.segki.skinny_stamps(buf, False).shape == (0, 8)

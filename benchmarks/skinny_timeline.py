@@ -1,0 +1,141 @@
+"""Where each block of the skinny product waits inside one replayed decode step: the graph is captured while the
+products stamp ``%globaltimer`` at each block's phases (``segki::skinny_stamps``), then replayed once. Per launch
+(in launch order) and per product shape, the mean time of each phase of a block:
+
+    start -> waited (the PDL wait) -> staged (x, and the norm, in shared memory) -> first (its first unit landed)
+          -> last (its last unit multiplied) -> end (tile sums and stores)
+
+and, per SM, ``gap`` (this block's start after the previous skinny block on the same SM ended: the launch hand-over,
+or the kernels between two products) and ``dry`` (the previous block's end to this block's first unit: how long
+the SM's weight stream stood still). ``end_spread`` is the last block's end after the median block's.
+
+    python benchmarks/skinny_timeline.py --out DIR [--models 0.8b 4b] [--batch 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_results  # noqa: E402
+
+PHASES = ("start", "waited", "staged", "first", "last", "end")
+WORDS = 8            # a record: [launch << 32 | block, SM << 32 | grid, then the six phases in ns]
+TABLE = ("launch", "rows", "k", "n", "gated", "grid", "parts", "tiles")
+ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
+
+
+def blocks_of(words: list[list[int]]) -> list[dict]:
+    """The records as blocks: launch id, block, SM, grid and the phases' times in us (not yet shifted)."""
+    out = []
+    for w in words:
+        out.append(dict(launch=w[0] >> 32, block=w[0] & 0xFFFFFFFF, sm=w[1] >> 32, grid=w[1] & 0xFFFFFFFF,
+                        **{p: t / 1e3 for p, t in zip(PHASES, w[2:2 + len(PHASES)])}))
+    return out
+
+
+def label(shape: dict) -> str:
+    return f"{shape['rows']}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
+
+
+def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Per launch and per product shape: the phases' mean durations (us), the launch's span and end spread, and the
+    SM gap and dry time against the previous skinny block on each SM."""
+    shapes = {t["launch"]: t for t in table}
+    blocks = [b for b in blocks if b["launch"] in shapes]
+    t0 = min(b["start"] for b in blocks)
+    prev_on_sm: dict[int, dict] = {}
+    for b in sorted(blocks, key=lambda b: b["start"]):
+        prev = prev_on_sm.get(b["sm"])
+        b["gap"] = b["start"] - prev["end"] if prev else None
+        b["dry"] = b["first"] - prev["end"] if prev else None
+        prev_on_sm[b["sm"]] = b
+    by_launch = defaultdict(list)
+    for b in blocks:
+        by_launch[b["launch"]].append(b)
+    launches = []
+    for lid, bs in sorted(by_launch.items(), key=lambda kv: min(b["start"] for b in kv[1])):
+        ends, first = sorted(b["end"] for b in bs), min(b["start"] for b in bs)
+        row = dict(launch=lid, shape=label(shapes[lid]), blocks=len(bs), at_us=round(first - t0, 2),
+                   span_us=round(ends[-1] - first, 2), end_spread_us=round(ends[-1] - statistics.median(ends), 2))
+        for a, z in zip(PHASES, PHASES[1:]):
+            row[f"{a}_{z}"] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
+        for key in ("gap", "dry"):
+            vals = [b[key] for b in bs if b[key] is not None]
+            row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None
+        launches.append(row)
+    kinds = defaultdict(list)
+    for r in launches:
+        kinds[r["shape"]].append(r)
+    numeric = [k for k in launches[0] if k not in ("launch", "shape", "blocks")] if launches else []
+    per_shape = [dict(shape=s, launches=len(rs), blocks=rs[0]["blocks"],
+                      **{k: round(statistics.fmean(r[k] for r in rs if r[k] is not None), 2)
+                         for k in numeric if k != "at_us" and any(r[k] is not None for r in rs)})
+                 for s, rs in kinds.items()]
+    return launches, per_shape
+
+
+def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
+    """Captures the model's decode step with the products stamping, replays it once, and reads the stamps."""
+    from decode import build
+
+    from segki_lightning import RolloutEngine, SamplingConfig
+
+    stamps = torch.ops.segki.skinny_stamps
+    buf = torch.zeros(WORDS * (ROOM + 1), dtype=torch.int64, device="cuda")
+    buf[1] = ROOM
+    model = build(name)
+    stamps(buf, True)
+    engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
+                           eos_token_id=[])
+    engine.generate([list(range(10, 138))], SamplingConfig(max_new_tokens=8, temperature=0.0, n=batch))
+    table = [dict(zip(TABLE, row)) for row in stamps(buf, True).tolist()]
+    graph = engine._graphs[engine._bucket(batch)][0]
+    for _ in range(3):
+        graph.replay()
+    buf[0] = 0
+    graph.replay()
+    torch.cuda.synchronize()
+    stamps(buf, False)
+    n = int(buf[0])
+    if n > ROOM:
+        raise RuntimeError(f"{n} records for room for {ROOM}: raise ROOM")
+    words = buf[WORDS:WORDS * (n + 1)].view(n, WORDS).tolist()
+    engine.free()
+    launches, per_shape = summarize(blocks_of(words), table)
+    for r in launches + per_shape:
+        r.update(model=name, batch=batch)
+    return launches, per_shape
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", nargs="+", default=["0.8b", "4b"])
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args()
+    launches, per_shape = [], []
+    for name in args.models:
+        a, b = stamp_step(name, args.batch)
+        launches += a
+        per_shape += b
+    phases = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]
+    header = (f"# The skinny product's blocks in one replayed decode step (batch {args.batch}; us)\n\n"
+              f"Command: `python benchmarks/skinny_timeline.py --out DIR --models {' '.join(args.models)} "
+              f"--batch {args.batch}`")
+    write_results(args.out, "skinny_timeline", per_shape,
+                  ["model", "shape", "launches", "blocks", "span_us", *phases, "gap_us", "dry_us", "end_spread_us"],
+                  header)
+    write_results(args.out, "skinny_timeline_launches", launches,
+                  ["model", "launch", "shape", "blocks", "at_us", "span_us", *phases, "gap_us", "dry_us",
+                   "end_spread_us"], header)
+    print((args.out / "skinny_timeline.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
