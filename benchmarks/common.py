@@ -116,3 +116,14 @@ def write_results(out: Path, name: str, rows: list[dict], columns: list[str], he
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
+def captured_step(model, batch: int, new_tokens: int = 32):
+    """``(engine, graph)``: a segki rollout engine on ``model`` that has decoded ``new_tokens`` tokens of one
+    128-token prompt for ``batch`` rows, and its captured decode step for that batch (replay it to time one step)."""
+    from segki_lightning import RolloutEngine, SamplingConfig
+
+    engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
+                           eos_token_id=[])
+    engine.generate([list(range(10, 138))], SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, n=batch))
+    return engine, engine._graphs[engine._bucket(batch)][0]

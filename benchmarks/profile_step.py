@@ -19,10 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import captured_step, write_results  # noqa: E402
 from decode import build  # noqa: E402
-
-from segki_lightning import RolloutEngine, SamplingConfig  # noqa: E402
 
 REPLAYS = 20
 
@@ -50,10 +48,7 @@ def one_replay(kernels: list, name: str, batch: int) -> list[dict]:
 
 def profile_model(name: str, batch: int) -> tuple[list[dict], list[dict]]:
     model = build(name)
-    engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
-                           eos_token_id=[])
-    engine.generate([list(range(10, 138))], SamplingConfig(max_new_tokens=32, temperature=0.0, n=batch))
-    graph = engine._graphs[engine._bucket(batch)][0]
+    engine, graph = captured_step(model, batch)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_results  # noqa: E402
+from common import captured_step, write_results  # noqa: E402
 
 PHASES = ("start", "waited", "staged", "first", "last", "end")
 WORDS = 8            # a record: [launch << 32 | block, SM << 32 | grid, then the six phases in ns]
@@ -84,18 +84,13 @@ def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
     """Captures the model's decode step with the products stamping, replays it once, and reads the stamps."""
     from decode import build
 
-    from segki_lightning import RolloutEngine, SamplingConfig
-
     stamps = torch.ops.segki.skinny_stamps
     buf = torch.zeros(WORDS * (ROOM + 1), dtype=torch.int64, device="cuda")
     buf[1] = ROOM
     model = build(name)
     stamps(buf, True)
-    engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
-                           eos_token_id=[])
-    engine.generate([list(range(10, 138))], SamplingConfig(max_new_tokens=8, temperature=0.0, n=batch))
+    engine, graph = captured_step(model, batch, new_tokens=8)
     table = [dict(zip(TABLE, row)) for row in stamps(buf, True).tolist()]
-    graph = engine._graphs[engine._bucket(batch)][0]
     for _ in range(3):
         graph.replay()
     buf[0] = 0
