@@ -8,7 +8,7 @@ TORCH_LIBRARY(segki, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? residual=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? residual=None, bool gated=False, Tensor? norm_w=None,"
         " float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor");
-  // the skinny product's timeline switch (benchmarks/skinny_timeline.py; a measurement tool, no reference)
+  // the skinny product's timeline switch (benchmarks/skinny_timeline.py; its reference stamps nothing)
   m.def("skinny_stamps(Tensor buf, bool stamp) -> Tensor");
   m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up,"
         " Tensor? norm_w=None, float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor");

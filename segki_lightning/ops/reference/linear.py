@@ -8,6 +8,7 @@ first ``rms_norm(x, norm_w, norm_eps, norm_unit_offset)`` (the native ops normal
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -35,6 +36,13 @@ def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gat
     if gated:
         return silu_mul(*F.linear(x, weight).chunk(2, dim=-1))
     return linear(x, weight, None, residual)
+
+
+def skinny_stamps(buf: Tensor, stamp: bool) -> Tensor:
+    """The skinny product's timeline switch (csrc/skinny.cu; benchmarks/skinny_timeline.py): natively, later launches
+    stamp their blocks' phases into ``buf`` and the call returns the launches stamped since the previous one,
+    ``[L, 8]`` int64. The reference path launches no skinny product, so nothing is stamped: ``[0, 8]``."""
+    return torch.empty((0, 8), dtype=torch.int64)
 
 
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
