@@ -28,6 +28,8 @@ PHASES = ("start", "waited", "staged", "first", "last", "end")
 WORDS = 8            # a record: [launch << 32 | block, SM << 32 | grid, then the six phases in ns]
 TABLE = ("launch", "rows", "k", "n", "gated", "grid", "parts", "tiles")
 ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
+STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
+METRICS = ["span_us", *STEPS, "gap_us", "dry_us", "end_spread_us"]       # per launch, averaged per shape
 
 
 def blocks_of(words: list[list[int]]) -> list[dict]:
@@ -63,8 +65,8 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
         ends, first = sorted(b["end"] for b in bs), min(b["start"] for b in bs)
         row = dict(launch=lid, shape=label(shapes[lid]), blocks=len(bs), at_us=round(first - t0, 2),
                    span_us=round(ends[-1] - first, 2), end_spread_us=round(ends[-1] - statistics.median(ends), 2))
-        for a, z in zip(PHASES, PHASES[1:]):
-            row[f"{a}_{z}"] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
+        for step, a, z in zip(STEPS, PHASES, PHASES[1:]):
+            row[step] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
         for key in ("gap", "dry"):
             vals = [b[key] for b in bs if b[key] is not None]
             row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None
@@ -72,11 +74,14 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
     kinds = defaultdict(list)
     for r in launches:
         kinds[r["shape"]].append(r)
-    numeric = [k for k in launches[0] if k not in ("launch", "shape", "blocks")] if launches else []
-    per_shape = [dict(shape=s, launches=len(rs), blocks=rs[0]["blocks"],
-                      **{k: round(statistics.fmean(r[k] for r in rs if r[k] is not None), 2)
-                         for k in numeric if k != "at_us" and any(r[k] is not None for r in rs)})
-                 for s, rs in kinds.items()]
+    per_shape = []
+    for s, rs in kinds.items():
+        row = dict(shape=s, launches=len(rs), blocks=rs[0]["blocks"])
+        for k in METRICS:
+            vals = [r[k] for r in rs if r[k] is not None]
+            if vals:
+                row[k] = round(statistics.fmean(vals), 2)
+        per_shape.append(row)
     return launches, per_shape
 
 
@@ -119,16 +124,12 @@ def main() -> None:
         a, b = stamp_step(name, args.batch)
         launches += a
         per_shape += b
-    phases = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]
     header = (f"# The skinny product's blocks in one replayed decode step (batch {args.batch}; us)\n\n"
               f"Command: `python benchmarks/skinny_timeline.py --out DIR --models {' '.join(args.models)} "
               f"--batch {args.batch}`")
-    write_results(args.out, "skinny_timeline", per_shape,
-                  ["model", "shape", "launches", "blocks", "span_us", *phases, "gap_us", "dry_us", "end_spread_us"],
-                  header)
-    write_results(args.out, "skinny_timeline_launches", launches,
-                  ["model", "launch", "shape", "blocks", "at_us", "span_us", *phases, "gap_us", "dry_us",
-                   "end_spread_us"], header)
+    write_results(args.out, "skinny_timeline", per_shape, ["model", "shape", "launches", "blocks", *METRICS], header)
+    write_results(args.out, "skinny_timeline_launches", launches, ["model", "launch", "shape", "blocks", "at_us",
+                                                                   *METRICS], header)
     print((args.out / "skinny_timeline.md").read_text())
 
 

@@ -391,7 +391,10 @@ Workspace workspace() {
 }
 
 // The timeline's host side: the buffer later launches stamp into (null: none), and the launches made since the
-// last skinny_stamps call, 8 numbers each: launch id, rows, K, output columns, gated, grid, parts, tiles.
+// last skinny_stamps call, kStampTableCols numbers each: launch id, rows, K, output columns, gated, grid, parts,
+// tiles.
+constexpr int kStampTableCols = 8;
+
 struct StampState {
   unsigned long long* buf = nullptr;
   int next_id = 0;
@@ -407,19 +410,16 @@ StampState& stamp_state() {
 // launches from now on stamp into; without, none. Returns the launches stamped since the previous call, [L, 8] on
 // the CPU. A graph captured while a buffer is set stamps into it at every replay.
 at::Tensor skinny_stamps(const at::Tensor& buf, bool stamp) {
+  TORCH_CHECK(!stamp || (buf.is_cuda() && buf.is_contiguous() && buf.scalar_type() == at::kLong &&
+                         buf.numel() >= 2 * kStampWords),
+              "segki::skinny_stamps: the buffer must be a contiguous CUDA int64 tensor of at least ", 2 * kStampWords,
+              " words (a header and one record)");  // checked first: a refused buffer keeps the table and the state
   StampState& state = stamp_state();
-  const int64_t rows = (int64_t)state.table.size() / 8;
-  auto table = at::empty({rows, 8}, at::TensorOptions().dtype(at::kLong));
+  const int64_t rows = (int64_t)state.table.size() / kStampTableCols;
+  auto table = at::empty({rows, kStampTableCols}, at::TensorOptions().dtype(at::kLong));
   std::copy(state.table.begin(), state.table.end(), table.data_ptr<int64_t>());
   state.table.clear();
-  state.buf = nullptr;
-  if (stamp) {
-    TORCH_CHECK(buf.is_cuda() && buf.is_contiguous() && buf.scalar_type() == at::kLong &&
-                    buf.numel() >= 2 * kStampWords,
-                "segki::skinny_stamps: the buffer must be a contiguous CUDA int64 tensor of at least ", 2 * kStampWords,
-                " words (a header and one record)");
-    state.buf = reinterpret_cast<unsigned long long*>(buf.data_ptr<int64_t>());
-  }
+  state.buf = stamp ? reinterpret_cast<unsigned long long*>(buf.data_ptr<int64_t>()) : nullptr;
   return table;
 }
 
