@@ -89,7 +89,12 @@ def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
     """Captures the model's decode step with the products stamping, replays it once, and reads the stamps."""
     from decode import build
 
-    stamps = torch.ops.segki.skinny_stamps
+    from segki_lightning.ops.extension import native_ops
+
+    ops = native_ops()
+    if ops is None:
+        raise SystemExit("the segki extension did not load")
+    stamps = ops.skinny_stamps
     buf = torch.zeros(WORDS * (ROOM + 1), dtype=torch.int64, device="cuda")
     buf[1] = ROOM
     model = build(name)
