@@ -54,7 +54,6 @@ struct SkinnyArgs {
   int m, k, n;        // n: output columns
   int kp, parts;      // columns per part of K, parts per row (kp a multiple of 8 warps x 32)
   int tiles, slots;
-  int ahead;          // units the producer requests before x is staged (>= slots: no hold; SEGKI_SKINNY_AHEAD)
   unsigned long long* stamps;  // the timeline's buffer (the stamping launches only; see skinny_stamps)
   int launch_id;
 };
@@ -171,10 +170,9 @@ struct ConsumersSync {
 // x [m, K] into shared memory (rows K + kPad apart) for the block's life, through the launch's RMSNorm when it has
 // one: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of every 2048 each, the same block
 // reduction), so the rows hold the bits that kernel would have stored and the product is exactly the one of its
-// output. Every row's stretch is requested at once; wpre (the thread's norm weights of its first two stretches,
-// all of them for K <= 4096) came before the wait.
+// output. Every row's stretch is requested at once; w0 (the thread's first 8 norm weights) came before the wait.
 template <typename T, int NB>
-__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], const uint4 (&wpre)[2]) {
+__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0) {
   if (a.norm_w == nullptr) {
     for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
       const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
@@ -200,7 +198,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
   block_sums<M>(ss, scratch, kWarps, ConsumersSync{});
   for (int i = i0; i < a.k; i += kStride) {  // normalized in place, by the thread that stored them
     float w[8];
-    unpack8<T>(i == i0 ? wpre[0] : i == i0 + kStride ? wpre[1] : ld_cached(a.norm_w + i), w);
+    unpack8<T>(i == i0 ? w0 : ld_cached(a.norm_w + i), w);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
       if (r >= a.m) break;
@@ -271,7 +269,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   unsigned long long stamp[kStampTimes] = {};  // STAMP only: the block's phases (see write_stamps)
   if constexpr (STAMP) stamp[0] = global_ns();
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
-  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots], staged;
+  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
   T* ring = reinterpret_cast<T*>(skinny_smem);
   const size_t slot_elems = (size_t)kTile * (a.kp + kPad);
@@ -285,7 +283,6 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       mbar_init(&full[s]);
       mbar_init(&empty[s], kWarps);
     }
-    mbar_init(&staged);
     bulk_fence_init();
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
@@ -293,26 +290,18 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     pdl_launch_dependents();
     for (int u = u0; u < u1; ++u) {
       const int c = u - u0, slot = c % a.slots;
-      if (c == a.ahead) mbar_wait(&staged, 0);  // the rest after x is in: its loads do not queue behind copies
       if (c >= a.slots) mbar_wait(&empty[slot], (unsigned)(c / a.slots - 1) & 1u);
       issue_unit<GATED>(a, u, ring + slot * slot_elems, &full[slot]);
     }
     return;
   }
-  // the norm prologue's weights of the thread's first two stretches (a parameter, never written by a kernel of the
-  // step: safe before the wait)
-  uint4 wpre[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int i = threadIdx.x * 8 + j * kConsumers * 8;
-    wpre[j] = a.norm_w && i < a.k ? ld_cached(a.norm_w + i) : make_uint4(0, 0, 0, 0);
-  }
+  // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait)
+  const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
   if constexpr (STAMP) stamp[1] = global_ns();
-  stage_x<T, NB>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), wpre);  // red is free until the first tile ends
+  stage_x<T, NB>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0);  // red is free until the first tile ends
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
-  if (threadIdx.x == 0) mbar_arrive(&staged);
   if constexpr (STAMP) stamp[2] = global_ns();
   float acc[NB][4] = {};
   for (int u = u0; u < u1; ++u) {
@@ -358,12 +347,6 @@ int part_cols(int k) {
     if (best == 0 || d < best_d || (d == best_d && kp < best)) best = kp;
   }
   return best;
-}
-
-// Units a block requests before its x is staged (SEGKI_SKINNY_AHEAD; unset: the whole ring, no hold).
-int skinny_ahead() {
-  static const int ahead = (int)env_long("SEGKI_SKINNY_AHEAD", kMaxSlots, 1, kMaxSlots);
-  return ahead;
 }
 
 // The launch for x [m, k] by a weight of `rows` rows, or false where this path does not take it.
@@ -524,7 +507,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.parts = plan.parts;
     a.tiles = (int)(w.size(0) / kTile);
     a.slots = plan.slots;
-    a.ahead = skinny_ahead();
     if (gated) {
       if (m <= 8) launch<T, 1, true>(a, plan);
       else launch<T, 2, true>(a, plan);
