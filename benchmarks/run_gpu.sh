@@ -83,7 +83,7 @@ for stage in "${stages[@]}"; do
              for b in 1 4; do
                python3 benchmarks/skinny_timeline.py --out "$out/timeline/b$b" --batch "$b" > "$out/timeline_b$b.log" 2>&1 \
                  || tail -5 "$out/timeline_b$b.log"
-               grep -E "^\| (4b|0.8b)" "$out/timeline/b$b/skinny_timeline.md" | cut -c1-150
+               grep -E "^\| (4b|0.8b)" "$out/timeline/b$b/skinny_timeline.md" | cut -c1-230
              done ;;
     attn)    for variant in online batched; do
                SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \

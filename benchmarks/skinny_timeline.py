@@ -1,9 +1,15 @@
 """Where each block of the skinny product waits inside one replayed decode step: the graph is captured while the
-products stamp ``%globaltimer`` at each block's phases (``segki::skinny_stamps``), then replayed once. Per launch
-(in launch order) and per product shape, the mean time of each phase of a block:
+products stamp each block's phases (``segki::skinny_stamps``), then replayed once. Per launch (in launch order)
+and per product shape, the mean time of each phase of a block:
 
-    start -> waited (the PDL wait) -> staged (x, and the norm, in shared memory) -> first (its first unit landed)
-          -> last (its last unit multiplied) -> end (tile sums and stores)
+    start -> waited (the PDL wait) -> loaded (x's loads landed) -> reduced (the norm's sums; = loaded without
+          a norm) -> staged (x in shared memory) -> first (its first unit landed) -> last (its last unit
+          multiplied) -> end (the last tile's sums and stores)
+
+and, inside first -> last, ``unit_wait`` (waiting for units to land: the copies are behind) and ``tile_ends`` (the
+tile sums of all but the last tile); the rest is multiplying. A block places itself in the step by
+``%globaltimer`` at its start and end, which ticks every 250 ns on the H200; its phases are on the SM clock,
+converted with the cycles per ns of all the step's blocks together (their clock spans over their timer spans).
 
 and, per SM, ``gap`` (this block's start after the previous skinny block on the same SM ended: the launch hand-over,
 or the kernels between two products) and ``dry`` (the previous block's end to this block's first unit: how long
@@ -24,20 +30,33 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import captured_step, write_results  # noqa: E402
 
-PHASES = ("start", "waited", "staged", "first", "last", "end")
-WORDS = 8            # a record: [launch << 32 | block, SM << 32 | grid, then the six phases in ns]
+PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "end")
+# a record: [launch << 32 | block, SM << 32 | grid, timer at start and end (ns), the SM clock at each phase, cycles
+# waiting for units, cycles in tile ends, units]
+WORDS = 16
 TABLE = ("launch", "rows", "k", "n", "gated", "grid", "parts", "tiles")
 ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
-METRICS = ["span_us", *STEPS, "gap_us", "dry_us", "end_spread_us"]       # per launch, averaged per shape
+SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
+METRICS = ["span_us", *STEPS, *SUMS, "gap_us", "dry_us", "end_spread_us"]  # per launch, averaged per shape
 
 
 def blocks_of(words: list[list[int]]) -> list[dict]:
-    """The records as blocks: launch id, block, SM, grid and the phases' times in us (not yet shifted)."""
+    """The records as blocks: launch id, block, SM, grid, the phases' times in us on the timer's scale (not yet
+    shifted), and the block's sums. Cycles become ns at the step's cycles per ns: all its blocks' clock spans over
+    their timer spans (each timer span is off by up to a tick, the total by far less)."""
+    n = len(PHASES)
+    cycles = sum(w[4 + n - 1] - w[4] for w in words)
+    ns = sum(w[3] - w[2] for w in words)
+    if cycles <= 0 or ns <= 0:
+        raise ValueError("the records span no time: were they written?")
+    per_ns = cycles / ns
     out = []
     for w in words:
+        clock = w[4:4 + n]
         out.append(dict(launch=w[0] >> 32, block=w[0] & 0xFFFFFFFF, sm=w[1] >> 32, grid=w[1] & 0xFFFFFFFF,
-                        **{p: t / 1e3 for p, t in zip(PHASES, w[2:2 + len(PHASES)])}))
+                        **{p: (w[2] + (c - clock[0]) / per_ns) / 1e3 for p, c in zip(PHASES, clock)},
+                        unit_wait_us=w[4 + n] / per_ns / 1e3, tile_ends_us=w[5 + n] / per_ns / 1e3, units=w[6 + n]))
     return out
 
 
@@ -67,6 +86,8 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
                    span_us=round(ends[-1] - first, 2), end_spread_us=round(ends[-1] - statistics.median(ends), 2))
         for step, a, z in zip(STEPS, PHASES, PHASES[1:]):
             row[step] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
+        for key in SUMS:
+            row[key] = round(statistics.fmean(b[key] for b in bs), 2)
         for key in ("gap", "dry"):
             vals = [b[key] for b in bs if b[key] is not None]
             row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,17 +154,22 @@ def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
 
 
 def test_skinny_timeline_reads_phases_gaps_and_dry_time_per_sm():
-    """Two launches of two blocks on SMs 3 and 5: each phase's mean, the span, the end spread, and against the
-    previous block on the same SM the gap to this block's start and the dry time to its first unit."""
+    """Two launches of two blocks on SMs 3 and 5: each phase's mean (the SM clock at 2 cycles per ns, each SM's
+    counter at its own offset), the sums inside first -> last, the span, the end spread, and against the previous
+    block on the same SM the gap to this block's start and the dry time to its first unit."""
     tl = load_script("skinny_timeline")
-    ns = 1000   # stamps are in ns, the summary in us
+    ns, per_ns = 1000, 2   # times below in us; stamps in ns and cycles
 
-    def rec(launch, block, sm, times):
-        return [launch << 32 | block, sm << 32 | 2, *(t * ns for t in times)]
+    def rec(launch, block, sm, times, unit_wait=0, tile_ends=0, units=1):
+        clock = [sm * 10**9 + t * ns * per_ns for t in times]
+        return [launch << 32 | block, sm << 32 | 2, times[0] * ns, times[-1] * ns, *clock,
+                unit_wait * ns * per_ns, tile_ends * ns * per_ns, units, 0]
 
-    words = [rec(7, 0, 3, [0, 1, 2, 4, 8, 9]), rec(7, 1, 5, [1, 1, 3, 4, 9, 11]),
-             rec(8, 0, 3, [10, 10, 12, 13, 14, 15]), rec(8, 1, 5, [12, 12, 13, 15, 16, 16]),
-             rec(99, 0, 3, [0, 0, 0, 0, 0, 0])]          # a launch the table does not know: left out
+    # phases: start, waited, loaded, reduced, staged, first, last, end
+    words = [rec(7, 0, 3, [0, 1, 1.5, 2, 2, 4, 8, 9], unit_wait=1, units=3),
+             rec(7, 1, 5, [1, 1, 2, 2.5, 3, 4, 9, 11], unit_wait=2, tile_ends=1, units=5),
+             rec(8, 0, 3, [10, 10, 11, 11, 12, 13, 14, 15]), rec(8, 1, 5, [12, 12, 12.5, 12.5, 13, 15, 16, 16]),
+             rec(99, 0, 3, [0] * 8)]          # a launch the table does not know: left out
     table = [dict(launch=7, rows=1, k=2048, n=1024, gated=0, grid=2, parts=2, tiles=64),
              dict(launch=8, rows=1, k=1024, n=3584, gated=1, grid=2, parts=1, tiles=448)]
     launches, per_shape = tl.summarize(tl.blocks_of(words), table)
@@ -171,9 +177,13 @@ def test_skinny_timeline_reads_phases_gaps_and_dry_time_per_sm():
     assert first["shape"] == "1x2048->1024" and second["shape"] == "1x1024->3584 gated"
     assert first["at_us"] == 0 and second["at_us"] == 10
     assert first["span_us"] == 11 and first["end_spread_us"] == 1          # ends 9 and 11, median 10
-    assert first["start_waited"] == 0.5 and first["waited_staged"] == 1.5 and first["staged_first"] == 1.5
+    assert first["start_waited"] == 0.5 and first["waited_loaded"] == 0.75 and first["loaded_reduced"] == 0.5
+    assert first["reduced_staged"] == 0.25 and first["staged_first"] == 1.5
     assert first["first_last"] == 4.5 and first["last_end"] == 1.5
+    assert first["unit_wait_us"] == 1.5 and first["tile_ends_us"] == 0.5 and first["units"] == 4
     assert first["gap_us"] is None and first["dry_us"] is None              # nothing before on those SMs
     assert second["gap_us"] == 1.0 and second["dry_us"] == 4.0              # SM 3: 9 -> 10 (13); SM 5: 11 -> 12 (15)
     assert [r["shape"] for r in per_shape] == ["1x2048->1024", "1x1024->3584 gated"]
     assert per_shape[1]["gap_us"] == 1.0 and "at_us" not in per_shape[1]
+    with pytest.raises(ValueError, match="no time"):
+        tl.blocks_of([rec(7, 0, 3, [0] * 8)])

@@ -66,12 +66,23 @@ struct SkinnyPlan {
 constexpr int kMaxGrid = 1024;  // blocks the workspace has room for
 
 // The timeline (benchmarks/skinny_timeline.py): while a stamp buffer is set (segki::skinny_stamps), launches take
-// the kernel's stamping instantiation, whose consumer thread 0 writes one record per block: [launch id << 32 |
-// block, SM << 32 | grid, then %globaltimer at the block's start, its PDL wait's return, x staged, the first unit
-// landed, the last unit multiplied, its end]. Buffer: [0] records written, [1] room for records, records from
-// word kStampWords on. Other launches run the instantiation without stamps.
-constexpr int kStampWords = 8;
-constexpr int kStampTimes = 6;
+// the kernel's stamping instantiation, whose consumer thread 0 writes one record per block of kStampWords words:
+//   [0] launch id << 32 | block, [1] SM << 32 | grid, [2] [3] %globaltimer at the block's start and end (ns; it
+//   ticks every 250 ns on the H200, too coarse for a block's phases), [4 .. 4 + kPhases) the SM clock (%clock64)
+//   at each Phase, [12] cycles waiting for a unit to land after the first, [13] cycles in the tile ends before the
+//   last unit's, [14] the block's units.
+// Buffer: [0] records written, [1] room for records, records from word kStampWords on. Other launches run the
+// instantiation without stamps.
+enum Phase { kStart, kWaited, kLoaded, kReduced, kStaged, kFirst, kLast, kEnd, kPhases };
+constexpr int kStampWords = 16;
+
+// One block's stamps (consumer thread 0's are written): see the record above. Phases: its start, the PDL wait's
+// return, x's loads landed (its first pass), the norm's sums reduced (= loaded without a norm), x staged, the first
+// unit landed, the last unit multiplied, its end.
+struct Stamps {
+  unsigned long long clock[kPhases];
+  unsigned long long global_start, global_end, unit_wait, tile_ends;
+};
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;
@@ -85,15 +96,25 @@ __device__ __forceinline__ unsigned sm_id() {
   return id;
 }
 
-__device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch_id,
-                                             const unsigned long long (&t)[kStampTimes]) {
+template <bool STAMP>
+__device__ __forceinline__ void mark(Stamps& st, Phase p) {
+  if constexpr (STAMP) st.clock[p] = clock64();
+}
+
+__device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch_id, const Stamps& st, int units) {
   const unsigned long long i = atomicAdd(buf, 1ull);
   if (i >= buf[1]) return;  // full: the record is dropped (the count still says how many came)
   unsigned long long* r = buf + kStampWords * (i + 1);
   r[0] = ((unsigned long long)(unsigned)launch_id << 32) | blockIdx.x;
   r[1] = ((unsigned long long)sm_id() << 32) | gridDim.x;
+  r[2] = st.global_start;
+  r[3] = st.global_end;
 #pragma unroll
-  for (int j = 0; j < kStampTimes; ++j) r[2 + j] = t[j];
+  for (int j = 0; j < kPhases; ++j) r[4 + j] = st.clock[j];
+  r[4 + kPhases] = st.unit_wait;
+  r[5 + kPhases] = st.tile_ends;
+  r[6 + kPhases] = (unsigned long long)units;
+  r[7 + kPhases] = 0;
 }
 
 // The weight row that row r (0-15) of tile t is.
@@ -171,13 +192,15 @@ struct ConsumersSync {
 // one: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of every 2048 each, the same block
 // reduction), so the rows hold the bits that kernel would have stored and the product is exactly the one of its
 // output. Every row's stretch is requested at once; w0 (the thread's first 8 norm weights) came before the wait.
-template <typename T, int NB>
-__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0) {
+template <typename T, int NB, bool STAMP>
+__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, Stamps& st) {
   if (a.norm_w == nullptr) {
     for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
       const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
       *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
     }
+    mark<STAMP>(st, kLoaded);
+    mark<STAMP>(st, kReduced);
     return;
   }
   constexpr int M = NB * 8, kStride = kConsumers * 8;  // rows the block may hold; columns between stretches
@@ -195,7 +218,9 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
       if (r < a.m) *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + i) = u[r];
     }
   }
+  mark<STAMP>(st, kLoaded);
   block_sums<M>(ss, scratch, kWarps, ConsumersSync{});
+  mark<STAMP>(st, kReduced);
   for (int i = i0; i < a.k; i += kStride) {  // normalized in place, by the thread that stored them
     float w[8];
     unpack8<T>(i == i0 ? w0 : ld_cached(a.norm_w + i), w);
@@ -266,8 +291,9 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
 
 template <typename T, int NB, bool GATED, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
-  unsigned long long stamp[kStampTimes] = {};  // STAMP only: the block's phases (see write_stamps)
-  if constexpr (STAMP) stamp[0] = global_ns();
+  Stamps st{};  // STAMP only: the block's phases (see write_stamps)
+  mark<STAMP>(st, kStart);
+  if constexpr (STAMP) st.global_start = global_ns();
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
   __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
@@ -299,24 +325,27 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
-  if constexpr (STAMP) stamp[1] = global_ns();
-  stage_x<T, NB>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0);  // red is free until the first tile ends
+  mark<STAMP>(st, kWaited);
+  // red is free until the first tile ends
+  stage_x<T, NB, STAMP>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
-  if constexpr (STAMP) stamp[2] = global_ns();
+  mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
+  unsigned long long t0 = 0;  // STAMP only
   for (int u = u0; u < u1; ++u) {
     const int c = u - u0, slot = c % a.slots, t = u / a.parts, p = u - t * a.parts;
+    if constexpr (STAMP) t0 = clock64();
     mbar_wait(&full[slot], (unsigned)(c / a.slots) & 1u);
     if constexpr (STAMP) {
-      if (c == 0) stamp[3] = global_ns();
+      if (c == 0) mark<STAMP>(st, kFirst);
+      else st.unit_wait += clock64() - t0;
     }
     mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.k, a.kp, p, acc);
-    if constexpr (STAMP) {
-      if (u == u1 - 1) stamp[4] = global_ns();
-    }
+    if (u == u1 - 1) mark<STAMP>(st, kLast);
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);  // this warp is done with the slot
     if (p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
+      if constexpr (STAMP) t0 = clock64();
       stash<NB>(acc, red);
       consumers_sync();
       const bool head = u0 % a.parts != 0 && t == u0 / a.parts;
@@ -324,12 +353,16 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      if constexpr (STAMP) {
+        if (u < u1 - 1) st.tile_ends += clock64() - t0;
+      }
     }
   }
   if constexpr (STAMP) {
     if (threadIdx.x == 0) {
-      stamp[5] = global_ns();
-      write_stamps(a.stamps, a.launch_id, stamp);
+      mark<STAMP>(st, kEnd);
+      st.global_end = global_ns();
+      write_stamps(a.stamps, a.launch_id, st, u1 - u0);
     }
   }
 }

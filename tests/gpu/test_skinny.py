@@ -187,13 +187,14 @@ def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
 
 
 def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit():
-    """While a stamp buffer is set, each block writes one record (launch id, block, SM, grid, six times in phase
-    order) and the launch table names the launch's shape; the outputs are the plain launch's bits; once unset, no
-    launch writes."""
+    """While a stamp buffer is set, each block writes one record (launch id, block, SM, grid, its timer span, the SM
+    clock at eight phases in order, the cycles waiting for units and in tile ends inside its first -> last, its
+    units: all of them together the launch's) and the launch table names the launch's shape; the outputs are the
+    plain launch's bits; once unset, no launch writes."""
     n, k, _ = SHAPES["split_tiles"]
     x, w = randn(3, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     plain = torch.ops.segki.skinny_linear(x, w)
-    room, words = 512, 8
+    room, words, phases = 512, 16, 8
     buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
     buf[1] = room
     torch.ops.segki.skinny_stamps(buf, True)
@@ -209,8 +210,12 @@ def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit()
     rec = buf[words:words * (count + 1)].view(count, words).cpu()
     assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid))
     assert ((rec[:, 0] >> 32) == launch).all() and ((rec[:, 1] & 0xFFFFFFFF) == grid).all()
-    times = rec[:, 2:]
-    assert (times[:, 1:] >= times[:, :-1]).all() and (times[:, 0] > 0).all()
+    assert (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] > 0).all()                  # the timer span
+    clock = rec[:, 4:4 + phases]
+    assert (clock[:, 1:] >= clock[:, :-1]).all() and (clock[:, 0] > 0).all()
+    first_last = clock[:, 6] - clock[:, 5]                                               # first unit -> last
+    assert (rec[:, 4 + phases] + rec[:, 5 + phases] <= first_last).all()
+    assert int(rec[:, 6 + phases].sum()) == tiles * parts and (rec[:, 6 + phases] > 0).all()
     torch.ops.segki.skinny_linear(x, w)
     torch.cuda.synchronize()
     assert int(buf[0]) == count
