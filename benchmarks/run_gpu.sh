@@ -16,8 +16,8 @@
 #   barrier benchmarks/launch_vs_barrier.py: a phase boundary as a launch or a grid barrier (launch_vs_barrier/)
 #   stream  benchmarks/bulk_stream.py: a block's copy-engine stream, bare and with GEMV products (bulk_stream/)
 #   skinny  benchmarks/skinny.py: the skinny product (1-16 rows) vs cuBLAS and the GEMVs, 4B and 0.8B (skinny/)
-#   timeline the skinny product's stamping test, then benchmarks/skinny_timeline.py: each skinny block's phases in
-#           one replayed decode step, 0.8B and 4B at 1 and 4 rows (timeline/b1/, timeline/b4/)
+#   timeline the stamping tests (skinny product, GDN recurrence), then benchmarks/step_timeline.py: each block's phases
+#           of those kernels in one replayed decode step, 0.8B and 4B at 1 and 4 rows (timeline/b1/, timeline/b4/)
 #   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
 #           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
@@ -79,11 +79,12 @@ for stage in "${stages[@]}"; do
              grep -E "^\| " "$out/bulk_stream/bulk_stream.md" | cut -c1-110 ;;
     skinny)  python3 benchmarks/skinny.py --out "$out/skinny" > "$out/skinny.log" 2>&1 || tail -5 "$out/skinny.log"
              grep -E "^\| " "$out/skinny/skinny.md" | cut -d'|' -f2-13 ;;
-    timeline) python3 -m pytest -q tests/gpu/test_skinny.py -k stamping -p no:cacheprovider 2>&1 | tail -1
+    timeline) python3 -m pytest -q tests/gpu/test_skinny.py tests/gpu/test_kernels.py -k stamping -p no:cacheprovider \
+               2>&1 | tail -1
              for b in 1 4; do
-               python3 benchmarks/skinny_timeline.py --out "$out/timeline/b$b" --batch "$b" > "$out/timeline_b$b.log" 2>&1 \
-                 || tail -5 "$out/timeline_b$b.log"
-               grep -E "^\| (4b|0.8b)" "$out/timeline/b$b/skinny_timeline.md" | cut -c1-230
+               python3 benchmarks/step_timeline.py --out "$out/timeline/b$b" --batch "$b" \
+                 > "$out/timeline_b$b.log" 2>&1 || tail -5 "$out/timeline_b$b.log"
+               grep -E "^\| (4b|0.8b)" "$out/timeline/b$b/step_timeline.md" | cut -c1-230
              done ;;
     attn)    for variant in online batched; do
                SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \

@@ -153,11 +153,12 @@ def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
     assert int(top[0]) >= 20 and top[1] == "0" and "slow_first_use" in top[2]
 
 
-def test_skinny_timeline_reads_phases_gaps_and_dry_time_per_sm():
-    """Two launches of two blocks on SMs 3 and 5: each phase's mean (the SM clock at 2 cycles per ns, each SM's
-    counter at its own offset), the sums inside first -> last, the span, the end spread, and against the previous
-    block on the same SM the gap to this block's start and the dry time to its first unit."""
-    tl = load_script("skinny_timeline")
+def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
+    """Two product launches of two blocks on SMs 3 and 5 with a recurrence block between them on SM 3: each
+    phase's mean (the SM clock at 2 cycles per ns, each SM's counter at its own offset), the sums inside first ->
+    last, the span, the end spread, and against the previous product block on the same SM (the recurrence's is
+    not one) the gap to this block's start and the dry time to its first unit."""
+    tl = load_script("step_timeline")
     ns, per_ns = 1000, 2   # times below in us; stamps in ns and cycles
 
     def rec(launch, block, sm, times, unit_wait=0, tile_ends=0, units=1):
@@ -168,12 +169,16 @@ def test_skinny_timeline_reads_phases_gaps_and_dry_time_per_sm():
     # phases: start, waited, loaded, reduced, staged, first, last, end
     words = [rec(7, 0, 3, [0, 1, 1.5, 2, 2, 4, 8, 9], unit_wait=1, units=3),
              rec(7, 1, 5, [1, 1, 2, 2.5, 3, 4, 9, 11], unit_wait=2, tile_ends=1, units=5),
+             rec(9, 0, 3, [9, 9.5, 9.5, 9.5, 9.5, 9.5, 9.5, 9.75]),      # the recurrence, on SM 3 at 9-9.75
              rec(8, 0, 3, [10, 10, 11, 11, 12, 13, 14, 15]), rec(8, 1, 5, [12, 12, 12.5, 12.5, 13, 15, 16, 16]),
              rec(99, 0, 3, [0] * 8)]          # a launch the table does not know: left out
-    table = [dict(launch=7, rows=1, k=2048, n=1024, gated=0, grid=2, parts=2, tiles=64),
-             dict(launch=8, rows=1, k=1024, n=3584, gated=1, grid=2, parts=1, tiles=448)]
+    table = [dict(launch=7, kind=0, rows=1, k=2048, n=1024, gated=0, grid=2, parts=2, tiles=64),
+             dict(launch=8, kind=0, rows=1, k=1024, n=3584, gated=1, grid=2, parts=1, tiles=448),
+             dict(launch=9, kind=1, rows=1, k=128, n=2048, gated=0, grid=1, parts=4, tiles=16)]
     launches, per_shape = tl.summarize(tl.blocks_of(words), table)
-    first, second = launches
+    first, recurrence, second = launches
+    assert recurrence["shape"] == "recurrence 1x16 heads" and recurrence["start_waited"] == 0.5
+    assert recurrence["gap_us"] is None and recurrence["dry_us"] is None
     assert first["shape"] == "1x2048->1024" and second["shape"] == "1x1024->3584 gated"
     assert first["at_us"] == 0 and second["at_us"] == 10
     assert first["span_us"] == 11 and first["end_spread_us"] == 1          # ends 9 and 11, median 10
@@ -183,7 +188,7 @@ def test_skinny_timeline_reads_phases_gaps_and_dry_time_per_sm():
     assert first["unit_wait_us"] == 1.5 and first["tile_ends_us"] == 0.5 and first["units"] == 4
     assert first["gap_us"] is None and first["dry_us"] is None              # nothing before on those SMs
     assert second["gap_us"] == 1.0 and second["dry_us"] == 4.0              # SM 3: 9 -> 10 (13); SM 5: 11 -> 12 (15)
-    assert [r["shape"] for r in per_shape] == ["1x2048->1024", "1x1024->3584 gated"]
-    assert per_shape[1]["gap_us"] == 1.0 and "at_us" not in per_shape[1]
+    assert [r["shape"] for r in per_shape] == ["1x2048->1024", "recurrence 1x16 heads", "1x1024->3584 gated"]
+    assert per_shape[2]["gap_us"] == 1.0 and "at_us" not in per_shape[2] and "gap_us" not in per_shape[1]
     with pytest.raises(ValueError, match="no time"):
         tl.blocks_of([rec(7, 0, 3, [0] * 8)])

@@ -8,8 +8,8 @@ TORCH_LIBRARY(segki, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? residual=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? residual=None, bool gated=False, Tensor? norm_w=None,"
         " float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor");
-  // the skinny product's timeline switch (benchmarks/skinny_timeline.py; its reference stamps nothing)
-  m.def("skinny_stamps(Tensor buf, bool stamp) -> Tensor");
+  // the decode step's timeline switch (csrc/timeline.cuh, benchmarks/step_timeline.py; its reference stamps nothing)
+  m.def("timeline_stamps(Tensor buf, bool stamp) -> Tensor");
   m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up,"
         " Tensor? norm_w=None, float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor");
   m.def("qkv_proj(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q, Tensor? b_k, Tensor? b_v,"

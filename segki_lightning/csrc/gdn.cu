@@ -10,6 +10,7 @@
 // (gdn_recurrent_pipe_kernel): the same arithmetic with the states streamed in and out by the copy engine.
 #include "bulk.cuh"
 #include "common.cuh"
+#include "timeline.cuh"
 
 #include <cooperative_groups.h>
 
@@ -161,13 +162,18 @@ __device__ __forceinline__ T gated_norm(float o, float total, int dv, float eps,
 // grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
 // block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
 // tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
-// through distributed shared memory.
-template <typename T, int DK>
+// through distributed shared memory. STAMP: the timeline's instantiation (timeline.cuh; thread 0 of each block
+// writes its record into `stamps`).
+template <typename T, int DK, bool STAMP>
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
-    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps) {
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps,
+    unsigned long long* stamps, int launch_id) {
+  Stamps st{};
+  mark_start<STAMP>(st);
   pdl_start();  // everything below reads what earlier kernels wrote
+  mark<STAMP>(st, kWaited);
   constexpr int R = DK / 4;
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -177,10 +183,10 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   __shared__ float sq[DK], sk[DK], red[2][4][32], sq_part;
   __shared__ float2 norms[4];
   // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
-  float* st = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
+  float* state_col = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
   float s[R];
 #pragma unroll
-  for (int i = 0; i < R; ++i) s[i] = st[(size_t)i * dv];
+  for (int i = 0; i < R; ++i) s[i] = state_col[(size_t)i * dv];
   // every other read of the step requested now too: behind the block and cluster barriers below each was a
   // round trip of its own (ptxas does not move loads across them)
   auto in = load_item<T, DK, 128>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, dv, b,
@@ -188,8 +194,10 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   stash_qk(in, sq, sk);
   put_qk_norms(in, norms);
   __syncthreads();
+  mark<STAMP>(st, kLoaded);
   const float2 sc = qk_scales<DK>(norms);
   const float o = delta_rule<T, R>(s, in, sq, sk, sc.x, sc.y, red, ty, jl);
+  mark<STAMP>(st, kReduced);
   if (ty == 0) {
     const float w = warp_sum(o * o);
     if (jl == 0) sq_part = w;
@@ -198,11 +206,17 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   float total = 0.f;
   for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, r);
   cluster_barrier();  // peers' shared memory stays alive until every block has read it
+  mark<STAMP>(st, kStaged);
+  mark<STAMP>(st, kFirst);
   // the new state is stored only now: each cluster barrier above fences memory GPU-wide (MEMBAR.ALL.GPU in the
   // SASS), and stores still in flight there would hold every warp of the cluster at it
 #pragma unroll
-  for (int i = 0; i < R; ++i) st[(size_t)i * dv] = s[i];
+  for (int i = 0; i < R; ++i) state_col[(size_t)i * dv] = s[i];
+  mark<STAMP>(st, kLast);
   if (ty == 0) out[((size_t)b * hv + h) * dv + j] = gated_norm<T>(o, total, dv, eps, in);
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) write_stamps(stamps, launch_id, st, 1);
+  }
 }
 
 // The recurrence of gdn_recurrent_kernel for Dk = Dv = 128 where there are at least as many (row, value head) items
@@ -368,14 +382,19 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   SEGKI_DISPATCH_HALF(dt, op, [&] {
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
-      // clusters of Dv/32 blocks: one cluster per (value head, row)
-      launch_pdl(gdn_recurrent_kernel<T, DK>, dim3(d.hv * (d.dv / 32), d.bsz), dim3(128), stream, dim3(d.dv / 32),
-          reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
-          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
-          recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
-          static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
-          reinterpret_cast<const T*>(norm_weight.data_ptr()),
-          reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv, (float)norm_eps);
+      // clusters of Dv/32 blocks: one cluster per (value head, row); the timeline's instantiation while it stamps
+      const dim3 grid(d.hv * (d.dv / 32), d.bsz);
+      unsigned long long* stamps = stamp_state().buf;
+      const int id = stamps ? stamp_launch(kGdnRecurrence, {d.bsz, d.dk, d.hv * d.dv, 0, grid.x * grid.y,
+                                                            d.dv / 32, d.hv})
+                            : 0;
+      launch_pdl(stamps ? gdn_recurrent_kernel<T, DK, true> : gdn_recurrent_kernel<T, DK, false>, grid, dim3(128),
+          stream, dim3(d.dv / 32), reinterpret_cast<const T*>(mixed.data_ptr()),
+          reinterpret_cast<const T*>(z.data_ptr()), reinterpret_cast<const T*>(b.data_ptr()),
+          reinterpret_cast<const T*>(a.data_ptr()), ld, recurrent_state.data_ptr<float>(),
+          static_cast<const void*>(a_log_p.data_ptr()), static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
+          reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv,
+          (float)norm_eps, stamps, id);
     };
     with_head_dim(d.dk, launch);
   });

@@ -24,6 +24,7 @@
 // (results/skinny/run6_fold_ring/).
 #include "bulk.cuh"
 #include "common.cuh"
+#include "timeline.cuh"
 
 namespace segki {
 namespace {
@@ -54,7 +55,7 @@ struct SkinnyArgs {
   int m, k, n;        // n: output columns
   int kp, parts;      // columns per part of K, parts per row (kp a multiple of 8 warps x 32)
   int tiles, slots;
-  unsigned long long* stamps;  // the timeline's buffer (the stamping launches only; see skinny_stamps)
+  unsigned long long* stamps;  // the timeline's buffer (the stamping launches only; timeline.cuh)
   int launch_id;
 };
 
@@ -64,58 +65,6 @@ struct SkinnyPlan {
 };
 
 constexpr int kMaxGrid = 1024;  // blocks the workspace has room for
-
-// The timeline (benchmarks/skinny_timeline.py): while a stamp buffer is set (segki::skinny_stamps), launches take
-// the kernel's stamping instantiation, whose consumer thread 0 writes one record per block of kStampWords words:
-//   [0] launch id << 32 | block, [1] SM << 32 | grid, [2] [3] %globaltimer at the block's start and end (ns; it
-//   ticks every 250 ns on the H200, too coarse for a block's phases), [4 .. 4 + kPhases) the SM clock (%clock64)
-//   at each Phase, [12] cycles waiting for a unit to land after the first, [13] cycles in the tile ends before the
-//   last unit's, [14] the block's units.
-// Buffer: [0] records written, [1] room for records, records from word kStampWords on. Other launches run the
-// instantiation without stamps.
-enum Phase { kStart, kWaited, kLoaded, kReduced, kStaged, kFirst, kLast, kEnd, kPhases };
-constexpr int kStampWords = 16;
-
-// One block's stamps (consumer thread 0's are written): see the record above. Phases: its start, the PDL wait's
-// return, x's loads landed (its first pass), the norm's sums reduced (= loaded without a norm), x staged, the first
-// unit landed, the last unit multiplied, its end.
-struct Stamps {
-  unsigned long long clock[kPhases];
-  unsigned long long global_start, global_end, unit_wait, tile_ends;
-};
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ unsigned sm_id() {
-  unsigned id;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
-  return id;
-}
-
-template <bool STAMP>
-__device__ __forceinline__ void mark(Stamps& st, Phase p) {
-  if constexpr (STAMP) st.clock[p] = clock64();
-}
-
-__device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch_id, const Stamps& st, int units) {
-  const unsigned long long i = atomicAdd(buf, 1ull);
-  if (i >= buf[1]) return;  // full: the record is dropped (the count still says how many came)
-  unsigned long long* r = buf + kStampWords * (i + 1);
-  r[0] = ((unsigned long long)(unsigned)launch_id << 32) | blockIdx.x;
-  r[1] = ((unsigned long long)sm_id() << 32) | gridDim.x;
-  r[2] = st.global_start;
-  r[3] = st.global_end;
-#pragma unroll
-  for (int j = 0; j < kPhases; ++j) r[4 + j] = st.clock[j];
-  r[4 + kPhases] = st.unit_wait;
-  r[5 + kPhases] = st.tile_ends;
-  r[6 + kPhases] = (unsigned long long)units;
-  r[7 + kPhases] = 0;
-}
 
 // The weight row that row r (0-15) of tile t is.
 template <bool GATED, typename T>
@@ -291,9 +240,8 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
 
 template <typename T, int NB, bool GATED, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
-  Stamps st{};  // STAMP only: the block's phases (see write_stamps)
-  mark<STAMP>(st, kStart);
-  if constexpr (STAMP) st.global_start = global_ns();
+  Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
+  mark_start<STAMP>(st);
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
   __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
@@ -359,11 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     }
   }
   if constexpr (STAMP) {
-    if (threadIdx.x == 0) {
-      mark<STAMP>(st, kEnd);
-      st.global_end = global_ns();
-      write_stamps(a.stamps, a.launch_id, st, u1 - u0);
-    }
+    if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, u1 - u0);
   }
 }
 
@@ -423,39 +367,6 @@ Workspace workspace() {
   return ws[dev];
 }
 
-// The timeline's host side: the buffer later launches stamp into (null: none), and the launches made since the
-// last skinny_stamps call, kStampTableCols numbers each: launch id, rows, K, output columns, gated, grid, parts,
-// tiles.
-constexpr int kStampTableCols = 8;
-
-struct StampState {
-  unsigned long long* buf = nullptr;
-  int next_id = 0;
-  std::vector<int64_t> table;
-};
-
-StampState& stamp_state() {
-  static StampState state;
-  return state;
-}
-
-// With `stamp`, sets the buffer (int64 [kStampWords x (1 + records)], word 1 the room for records) that the skinny
-// launches from now on stamp into; without, none. Returns the launches stamped since the previous call, [L, 8] on
-// the CPU. A graph captured while a buffer is set stamps into it at every replay.
-at::Tensor skinny_stamps(const at::Tensor& buf, bool stamp) {
-  TORCH_CHECK(!stamp || (buf.is_cuda() && buf.is_contiguous() && buf.scalar_type() == at::kLong &&
-                         buf.numel() >= 2 * kStampWords),
-              "segki::skinny_stamps: the buffer must be a contiguous CUDA int64 tensor of at least ", 2 * kStampWords,
-              " words (a header and one record)");  // checked first: a refused buffer keeps the table and the state
-  StampState& state = stamp_state();
-  const int64_t rows = (int64_t)state.table.size() / kStampTableCols;
-  auto table = at::empty({rows, kStampTableCols}, at::TensorOptions().dtype(at::kLong));
-  std::copy(state.table.begin(), state.table.end(), table.data_ptr<int64_t>());
-  state.table.clear();
-  state.buf = stamp ? reinterpret_cast<unsigned long long*>(buf.data_ptr<int64_t>()) : nullptr;
-  return table;
-}
-
 // The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per
 // tile (so each block has at least `parts` units and a tile spans at most two blocks). A grid of one block per
 // unit, which streams the narrow 0.8B products (64 tiles of 2 parts) on all 132 SMs instead of 64, lost in the
@@ -472,7 +383,7 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int grid = std::min({resident, a.tiles, kMaxGrid});
-  StampState& stamps = stamp_state();
+  StampState& stamps = stamp_state();  // timeline.cuh
   if (stamps.buf == nullptr) {
     launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                     a);
@@ -482,8 +393,7 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   allow_dynamic_smem<stamped>(kSmemBytes);
   SkinnyArgs<T> s = a;
   s.stamps = stamps.buf;
-  s.launch_id = stamps.next_id++;
-  stamps.table.insert(stamps.table.end(), {s.launch_id, a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts, a.tiles});
+  s.launch_id = stamp_launch(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts, a.tiles});
   launch_pdl_smem(stamped, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   s);
 }
@@ -555,7 +465,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 
 TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("skinny_linear", &skinny_linear);
-  m.impl("skinny_stamps", &skinny_stamps);
+  m.impl("timeline_stamps", &timeline_stamps);
 }
 
 }  // namespace segki

@@ -18,9 +18,9 @@ def _skinny(x, w, residual=None, gated=False, norm_w=None, norm_eps=0.0, norm_un
     return _out(x, w.shape[0] // 2 if gated else w.shape[0])
 
 
-@torch.library.register_fake("segki::skinny_stamps")
-def _skinny_stamps(buf, stamp):
-    return torch.empty((0, 8), dtype=torch.int64)
+@torch.library.register_fake("segki::timeline_stamps")
+def _timeline_stamps(buf, stamp):
+    return torch.empty((0, 9), dtype=torch.int64)
 
 
 @torch.library.register_fake("segki::gated_mlp_front")

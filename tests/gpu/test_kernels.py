@@ -409,6 +409,44 @@ def test_resident_gdn_recurrence_gives_each_row_its_bits_alone(shape, batch, dty
     assert not torch.equal(whole[2], g["recurrent_state"])      # the state moved
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_stamping_recurrence_records_every_block_and_changes_no_bit(batch):
+    """While the timeline's buffer is set, the recurrence at few rows (the cluster kernel) writes one record per
+    block (kind 1 in the launch table, with its rows, Dk, Hv x Dv, grid, blocks per head and heads; the SM clock in
+    phase order) and gives the plain launch's output and state bits; once unset, nothing more is written."""
+    hk, hv, dk, dv = GDN_SHAPES["08b"]
+    g = gdn_inputs(batch, hk, hv, dk, dv, torch.bfloat16)
+    rec_plain, rec_stamped = g["recurrent_state"].clone(), g["recurrent_state"].clone()
+
+    def step(rec):
+        return torch.ops.segki.gdn_recurrent_step(g["qkv"], g["z"], g["b"], g["a"], rec, g["A_log"], g["dt_bias"],
+                                                  g["norm_weight"], 1e-6, hk, dk, dv)
+
+    plain = step(rec_plain)
+    room, words, phases = 512, 16, 8
+    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
+    buf[1] = room
+    torch.ops.segki.timeline_stamps(buf, True)
+    stamped = step(rec_stamped)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert torch.equal(stamped, plain) and torch.equal(rec_stamped, rec_plain)
+    assert table.shape == (1, 9)
+    launch, kind, rows, k, n, gated, grid, per_head, heads = table[0].tolist()
+    assert (kind, rows, k, n, gated, per_head, heads) == (1, batch, dk, hv * dv, 0, dv // 32, hv)
+    assert grid == batch * hv * (dv // 32)
+    count = int(buf[0])
+    assert count == grid
+    rec = buf[words:words * (count + 1)].view(count, words).cpu()
+    assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid)) and ((rec[:, 0] >> 32) == launch).all()
+    clock = rec[:, 4:4 + phases]
+    assert (clock[:, 1:] >= clock[:, :-1]).all() and (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] > 0).all()
+    assert (rec[:, 6 + phases] == 1).all()
+    step(g["recurrent_state"].clone())
+    torch.cuda.synchronize()
+    assert int(buf[0]) == count
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 32, 300])
 def test_silu_mul_reads_the_halves_of_one_product_exactly(rows, dtype):

@@ -38,13 +38,6 @@ def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gat
     return linear(x, weight, None, residual)
 
 
-def skinny_stamps(buf: Tensor, stamp: bool) -> Tensor:
-    """The skinny product's timeline switch (csrc/skinny.cu; benchmarks/skinny_timeline.py): natively, later launches
-    stamp their blocks' phases into ``buf`` and the call returns the launches stamped since the previous one,
-    ``[L, 8]`` int64. The reference path launches no skinny product, so nothing is stamped: ``[0, 8]``."""
-    return torch.empty((0, 8), dtype=torch.int64)
-
-
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
                     norm_unit_offset: bool = False) -> Tensor:
     """``silu(x @ w_gate^T) * (x @ w_up^T)``: ``x [..., K]``, ``w_* [I, K]`` -> ``[..., I]``.

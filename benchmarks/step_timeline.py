@@ -1,6 +1,6 @@
-"""Where each block of the skinny product waits inside one replayed decode step: the graph is captured while the
-products stamp each block's phases (``segki::skinny_stamps``), then replayed once. Per launch (in launch order)
-and per product shape, the mean time of each phase of a block:
+"""Where each block of the skinny products and the GDN recurrences waits inside one replayed decode step: the graph
+is captured while those kernels stamp each block's phases (``segki::timeline_stamps``, ``csrc/timeline.cuh``), then
+replayed once. Per launch (in launch order) and per product shape, the mean time of each phase of a block:
 
     start -> waited (the PDL wait) -> loaded (x's loads landed) -> reduced (the norm's sums; = loaded without
           a norm) -> staged (x in shared memory) -> first (its first unit landed) -> last (its last unit
@@ -11,11 +11,16 @@ tile sums of all but the last tile); the rest is multiplying. A block places its
 ``%globaltimer`` at its start and end, which ticks every 250 ns on the H200; its phases are on the SM clock,
 converted with the cycles per ns of all the step's blocks together (their clock spans over their timer spans).
 
+The recurrence's rows (``recurrence``, 1-4 rows: the cluster kernel) use the same columns: waited -> loaded its
+inputs landed, -> reduced the delta rule done (its state had landed), -> staged the head's norm sums exchanged
+through the cluster (two cluster barriers), staged = first, -> last its new state stored, -> end its output.
+``gap`` and ``dry`` are the skinny blocks' only (a recurrence block shares an SM with a product's).
+
 and, per SM, ``gap`` (this block's start after the previous skinny block on the same SM ended: the launch hand-over,
 or the kernels between two products) and ``dry`` (the previous block's end to this block's first unit: how long
 the SM's weight stream stood still). ``end_spread`` is the last block's end after the median block's.
 
-    python benchmarks/skinny_timeline.py --out DIR [--models 0.8b 4b] [--batch 1]
+    python benchmarks/step_timeline.py --out DIR [--models 0.8b 4b] [--batch 1]
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "en
 # a record: [launch << 32 | block, SM << 32 | grid, timer at start and end (ns), the SM clock at each phase, cycles
 # waiting for units, cycles in tile ends, units]
 WORDS = 16
-TABLE = ("launch", "rows", "k", "n", "gated", "grid", "parts", "tiles")
+TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")   # kind 0: product, 1: recurrence
 ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
 SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
@@ -61,6 +66,8 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
 
 
 def label(shape: dict) -> str:
+    if shape["kind"] == 1:
+        return f"recurrence {shape['rows']}x{shape['tiles']} heads"
     return f"{shape['rows']}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
 
 
@@ -72,6 +79,9 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
     t0 = min(b["start"] for b in blocks)
     prev_on_sm: dict[int, dict] = {}
     for b in sorted(blocks, key=lambda b: b["start"]):
+        if shapes[b["launch"]]["kind"] != 0:
+            b["gap"] = b["dry"] = None
+            continue
         prev = prev_on_sm.get(b["sm"])
         b["gap"] = b["start"] - prev["end"] if prev else None
         b["dry"] = b["first"] - prev["end"] if prev else None
@@ -107,7 +117,7 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
 
 
 def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
-    """Captures the model's decode step with the products stamping, replays it once, and reads the stamps."""
+    """Captures the model's decode step with its kernels stamping, replays it once, and reads the stamps."""
     from decode import build
 
     from segki_lightning.ops.extension import native_ops
@@ -115,7 +125,7 @@ def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
     ops = native_ops()
     if ops is None:
         raise SystemExit("the segki extension did not load")
-    stamps = ops.skinny_stamps
+    stamps = ops.timeline_stamps
     buf = torch.zeros(WORDS * (ROOM + 1), dtype=torch.int64, device="cuda")
     buf[1] = ROOM
     model = build(name)
@@ -150,13 +160,13 @@ def main() -> None:
         a, b = stamp_step(name, args.batch)
         launches += a
         per_shape += b
-    header = (f"# The skinny product's blocks in one replayed decode step (batch {args.batch}; us)\n\n"
-              f"Command: `python benchmarks/skinny_timeline.py --out DIR --models {' '.join(args.models)} "
+    header = (f"# The skinny products' and GDN recurrences' blocks in one replayed decode step (batch {args.batch}; "
+              f"us)\n\nCommand: `python benchmarks/step_timeline.py --out DIR --models {' '.join(args.models)} "
               f"--batch {args.batch}`")
-    write_results(args.out, "skinny_timeline", per_shape, ["model", "shape", "launches", "blocks", *METRICS], header)
-    write_results(args.out, "skinny_timeline_launches", launches, ["model", "launch", "shape", "blocks", "at_us",
-                                                                   *METRICS], header)
-    print((args.out / "skinny_timeline.md").read_text())
+    write_results(args.out, "step_timeline", per_shape, ["model", "shape", "launches", "blocks", *METRICS], header)
+    write_results(args.out, "step_timeline_launches", launches,
+                  ["model", "launch", "shape", "blocks", "at_us", *METRICS], header)
+    print((args.out / "step_timeline.md").read_text())
 
 
 if __name__ == "__main__":
