@@ -7,24 +7,27 @@ replayed once. Per launch (in launch order) and per product shape, the mean time
           multiplied) -> end (the last tile's sums and stores)
 
 and, inside first -> last, ``unit_wait`` (waiting for units to land: the copies are behind) and ``tile_ends`` (the
-tile sums of all but the last tile); the rest is multiplying. A block places itself in the step by
-``%globaltimer`` at its start and end, which ticks every 250 ns on the H200; its phases are on the SM clock,
-converted with the cycles per ns of all the step's blocks together (their clock spans over their timer spans).
+tile sums of all but the last tile); the rest is multiplying. Per SM, ``gap`` (this block's start after the
+previous product block on the same SM ended: the launch hand-over, or the kernels between two products) and
+``dry`` (the previous block's end to this block's first unit: how long the SM's weight stream stood still);
+``end_spread`` is the last block's end after the median block's.
 
-The recurrence's rows (``recurrence``, 1-4 rows: the cluster kernel) use the same columns: waited -> loaded its
-inputs landed, -> reduced the delta rule done (its state had landed), -> staged the head's norm sums exchanged
-through the cluster (two cluster barriers), staged = first, -> last its new state stored, -> end its output.
-``gap`` and ``dry`` are the skinny blocks' only (a recurrence block shares an SM with a product's).
+The recurrence's rows (``recurrence``: its cluster kernel, which runs where the (row, head) items are fewer than
+the SMs) use the same columns: waited -> loaded its inputs landed, -> reduced the delta rule done (its state had
+landed), -> staged the head's norm sums exchanged through the cluster (two cluster barriers), staged = first,
+-> last its new state's stores issued, -> end its output; it has no gap or dry time.
 
-and, per SM, ``gap`` (this block's start after the previous skinny block on the same SM ended: the launch hand-over,
-or the kernels between two products) and ``dry`` (the previous block's end to this block's first unit: how long
-the SM's weight stream stood still). ``end_spread`` is the last block's end after the median block's.
+A block places itself in the step by ``%globaltimer`` at its start and end, which ticks every 250 ns on the H200;
+its phases are on the SM clock, converted with the cycles per ns of all the step's blocks together (their clock
+spans over their timer spans). Besides the tables, ``step_timeline_blocks.json.gz`` has every block.
 
     python benchmarks/step_timeline.py --out DIR [--models 0.8b 4b] [--batch 1]
 """
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -116,7 +119,23 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
     return launches, per_shape
 
 
-def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
+def block_rows(blocks: list[dict], table: list[dict]) -> list[dict]:
+    """Each block as a row for the per-block file: its launch's shape, its phases in us from the step's first
+    block's start (3 decimals), its sums, gap and dry time."""
+    shapes = {t["launch"]: label(t) for t in table}
+    blocks = [b for b in blocks if b["launch"] in shapes]
+    t0 = min(b["start"] for b in blocks)
+    rows = []
+    for b in blocks:
+        row = dict(launch=b["launch"], shape=shapes[b["launch"]], block=b["block"], sm=b["sm"])
+        row.update({p: round(b[p] - t0, 3) for p in PHASES})
+        row.update({k: (round(b[k], 3) if b.get(k) is not None else None)
+                    for k in ("unit_wait_us", "tile_ends_us", "gap", "dry")}, units=b["units"])
+        rows.append(row)
+    return rows
+
+
+def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict], list[dict]]:
     """Captures the model's decode step with its kernels stamping, replays it once, and reads the stamps."""
     from decode import build
 
@@ -143,10 +162,12 @@ def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict]]:
         raise RuntimeError(f"{n} records for room for {ROOM}: raise ROOM")
     words = buf[WORDS:WORDS * (n + 1)].view(n, WORDS).tolist()
     engine.free()
-    launches, per_shape = summarize(blocks_of(words), table)
-    for r in launches + per_shape:
+    blocks = blocks_of(words)
+    launches, per_shape = summarize(blocks, table)
+    per_block = block_rows(blocks, table)
+    for r in launches + per_shape + per_block:
         r.update(model=name, batch=batch)
-    return launches, per_shape
+    return launches, per_shape, per_block
 
 
 def main() -> None:
@@ -155,17 +176,20 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["0.8b", "4b"])
     ap.add_argument("--batch", type=int, default=1)
     args = ap.parse_args()
-    launches, per_shape = [], []
+    launches, per_shape, per_block = [], [], []
     for name in args.models:
-        a, b = stamp_step(name, args.batch)
+        a, b, c = stamp_step(name, args.batch)
         launches += a
         per_shape += b
+        per_block += c
     header = (f"# The skinny products' and GDN recurrences' blocks in one replayed decode step (batch {args.batch}; "
               f"us)\n\nCommand: `python benchmarks/step_timeline.py --out DIR --models {' '.join(args.models)} "
               f"--batch {args.batch}`")
     write_results(args.out, "step_timeline", per_shape, ["model", "shape", "launches", "blocks", *METRICS], header)
     write_results(args.out, "step_timeline_launches", launches,
                   ["model", "launch", "shape", "blocks", "at_us", *METRICS], header)
+    with gzip.open(args.out / "step_timeline_blocks.json.gz", "wt") as f:   # every block, for distributions
+        json.dump(per_block, f)
     print((args.out / "step_timeline.md").read_text())
 
 

@@ -175,7 +175,8 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     table = [dict(launch=7, kind=0, rows=1, k=2048, n=1024, gated=0, grid=2, parts=2, tiles=64),
              dict(launch=8, kind=0, rows=1, k=1024, n=3584, gated=1, grid=2, parts=1, tiles=448),
              dict(launch=9, kind=1, rows=1, k=128, n=2048, gated=0, grid=1, parts=4, tiles=16)]
-    launches, per_shape = tl.summarize(tl.blocks_of(words), table)
+    blocks = tl.blocks_of(words)
+    launches, per_shape = tl.summarize(blocks, table)
     first, recurrence, second = launches
     assert recurrence["shape"] == "recurrence 1x16 heads" and recurrence["start_waited"] == 0.5
     assert recurrence["gap_us"] is None and recurrence["dry_us"] is None
@@ -190,5 +191,9 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     assert second["gap_us"] == 1.0 and second["dry_us"] == 4.0              # SM 3: 9 -> 10 (13); SM 5: 11 -> 12 (15)
     assert [r["shape"] for r in per_shape] == ["1x2048->1024", "recurrence 1x16 heads", "1x1024->3584 gated"]
     assert per_shape[2]["gap_us"] == 1.0 and "at_us" not in per_shape[2] and "gap_us" not in per_shape[1]
+    rows = tl.block_rows(blocks, table)                                     # every known block, from t0
+    assert len(rows) == 5 and rows[1]["shape"] == "1x2048->1024" and rows[1]["waited"] == 1.0
+    assert rows[1]["unit_wait_us"] == 2.0 and rows[1]["units"] == 5 and rows[2]["gap"] is None
+    assert rows[3]["gap"] == 1.0 and rows[3]["dry"] == 4.0
     with pytest.raises(ValueError, match="no time"):
         tl.blocks_of([rec(7, 0, 3, [0] * 8)])

@@ -19,7 +19,8 @@ namespace segki {
 // A block's phases. The skinny product: its start, the PDL wait's return, x's loads landed (its first pass), the
 // norm's sums reduced (= loaded without a norm), x staged, the first unit landed, the last unit multiplied, its
 // end. The recurrence: its start, the wait's return, its inputs landed, the delta rule done (its state landed),
-// the head's norm sums exchanged through the cluster (staged and first alike), the new state stored, its end.
+// the head's norm sums exchanged through the cluster (staged and first alike), its new state's stores issued, its
+// end.
 enum Phase { kStart, kWaited, kLoaded, kReduced, kStaged, kFirst, kLast, kEnd, kPhases };
 constexpr int kStampWords = 16;
 
