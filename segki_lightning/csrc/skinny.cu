@@ -49,6 +49,7 @@ struct SkinnyArgs {
   const T* norm_w;    // [k]: the RMSNorm applied to x as it is staged, or nullptr
   float norm_eps;
   bool norm_unit_offset;
+  bool norm_exact_rows;  // the norm's sums for the m rows (rounded up to 1, 2, 4) instead of 8 or 16
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
@@ -137,22 +138,15 @@ struct ConsumersSync {
   __device__ __forceinline__ void operator()() const { consumers_sync(); }
 };
 
-// x [m, K] into shared memory (rows K + kPad apart) for the block's life, through the launch's RMSNorm when it has
-// one: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of every 2048 each, the same block
-// reduction), so the rows hold the bits that kernel would have stored and the product is exactly the one of its
-// output. Every row's stretch is requested at once; w0 (the thread's first 8 norm weights) came before the wait.
-template <typename T, int NB, bool STAMP>
-__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, Stamps& st) {
-  if (a.norm_w == nullptr) {
-    for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
-      const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
-      *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
-    }
-    mark<STAMP>(st, kLoaded);
-    mark<STAMP>(st, kReduced);
-    return;
-  }
-  constexpr int M = NB * 8, kStride = kConsumers * 8;  // rows the block may hold; columns between stretches
+// stage_x through the launch's RMSNorm: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of
+// every 2048 each, the same block reduction), so the rows hold the bits that kernel would have stored and the
+// product is exactly the one of its output. Every row's stretch is requested at once; w0 (the thread's first 8
+// norm weights) came before the wait. M: the rows it holds sums for (at least m; a row past m sums zeros and is not
+// stored); each row's arithmetic is the same for any M.
+template <typename T, int M, bool STAMP>
+__device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0,
+                                             Stamps& st) {
+  constexpr int kStride = kConsumers * 8;  // columns between a thread's stretches
   const int i0 = threadIdx.x * 8;
   float ss[M] = {};
   for (int i = i0; i < a.k; i += kStride) {
@@ -185,6 +179,28 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
       *p = pack8<T>(v);
     }
   }
+}
+
+// x [m, K] into shared memory (rows K + kPad apart) for the block's life, normalized when the launch has a norm.
+template <typename T, int NB, bool STAMP>
+__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, Stamps& st) {
+  if (a.norm_w == nullptr) {
+    for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
+      const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
+      *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
+    }
+    mark<STAMP>(st, kLoaded);
+    mark<STAMP>(st, kReduced);
+    return;
+  }
+  if constexpr (NB == 1) {  // SEGKI_SKINNY_NORM_ROWS=exact: sums for the rows there are, not for 8
+    if (a.norm_exact_rows) {
+      if (a.m == 1) return stage_normed<T, 1, STAMP>(a, xs, scratch, w0, st);
+      if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, st);
+      if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, st);
+    }
+  }
+  stage_normed<T, NB * 8, STAMP>(a, xs, scratch, w0, st);
 }
 
 __device__ __forceinline__ void publish(int* flag) {
@@ -326,6 +342,12 @@ int part_cols(int k) {
   return best;
 }
 
+// SEGKI_SKINNY_NORM_ROWS=exact: the norm prologue sums the rows of x there are (stage_x), not 8 or 16.
+bool norm_exact_rows() {
+  static const bool exact = env_is("SEGKI_SKINNY_NORM_ROWS", "exact");
+  return exact;
+}
+
 // The launch for x [m, k] by a weight of `rows` rows, or false where this path does not take it.
 bool skinny_plan(int m, int k, int rows, size_t elem, SkinnyPlan& plan) {
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
@@ -441,6 +463,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.norm_w = norm_w.has_value() ? reinterpret_cast<const T*>(norm_w->data_ptr()) : nullptr;
     a.norm_eps = (float)norm_eps;
     a.norm_unit_offset = norm_unit_offset;
+    a.norm_exact_rows = norm_exact_rows();
     a.partial = ws.partial;
     a.ready = ws.ready;
     a.m = (int)m;
