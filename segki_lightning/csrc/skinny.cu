@@ -142,17 +142,20 @@ struct ConsumersSync {
 // every 2048 each, the same block reduction), so the rows hold the bits that kernel would have stored and the
 // product is exactly the one of its output. Every row's stretch is requested at once; w0 (the thread's first 8
 // norm weights) came before the wait. M: the rows it holds sums for (at least m; a row past m sums zeros and is not
-// stored); each row's arithmetic is the same for any M.
+// stored); each row's arithmetic is the same for any M. At M <= 4 (SEGKI_SKINNY_NORM_ROWS=exact) the first two
+// stretches (all of x for K <= 4096: the 4B's 2560) are requested together, one round trip instead of two, and w1
+// (the second stretch's norm weights) came before the wait too.
 template <typename T, int M, bool STAMP>
-__device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0,
+__device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
                                              Stamps& st) {
   constexpr int kStride = kConsumers * 8;  // columns between a thread's stretches
   const int i0 = threadIdx.x * 8;
   float ss[M] = {};
-  for (int i = i0; i < a.k; i += kStride) {
-    uint4 u[M];
+  auto load = [&](uint4 (&u)[M], int i) {
 #pragma unroll
     for (int r = 0; r < M; ++r) u[r] = r < a.m ? ld_cached(a.x + (size_t)r * a.k + i) : make_uint4(0, 0, 0, 0);
+  };
+  auto add_and_store = [&](const uint4 (&u)[M], int i) {
 #pragma unroll
     for (int r = 0; r < M; ++r) {
       float v[8];
@@ -160,13 +163,29 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
       ss[r] = add_squares8(v, ss[r]);
       if (r < a.m) *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + i) = u[r];
     }
+  };
+  int i = i0;
+  if constexpr (M <= 4) {
+    if (i0 + kStride < a.k) {
+      uint4 u[M], u1[M];
+      load(u, i0);
+      load(u1, i0 + kStride);
+      add_and_store(u, i0);
+      add_and_store(u1, i0 + kStride);
+      i = i0 + 2 * kStride;
+    }
+  }
+  for (; i < a.k; i += kStride) {
+    uint4 u[M];
+    load(u, i);
+    add_and_store(u, i);
   }
   mark<STAMP>(st, kLoaded);
   block_sums<M>(ss, scratch, kWarps, ConsumersSync{});
   mark<STAMP>(st, kReduced);
   for (int i = i0; i < a.k; i += kStride) {  // normalized in place, by the thread that stored them
     float w[8];
-    unpack8<T>(i == i0 ? w0 : ld_cached(a.norm_w + i), w);
+    unpack8<T>(i == i0 ? w0 : M <= 4 && i == i0 + kStride ? w1 : ld_cached(a.norm_w + i), w);
 #pragma unroll
     for (int r = 0; r < M; ++r) {
       if (r >= a.m) break;
@@ -183,7 +202,8 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 
 // x [m, K] into shared memory (rows K + kPad apart) for the block's life, normalized when the launch has a norm.
 template <typename T, int NB, bool STAMP>
-__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, Stamps& st) {
+__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
+                                        Stamps& st) {
   if (a.norm_w == nullptr) {
     for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
       const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
@@ -195,12 +215,12 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
   }
   if constexpr (NB == 1) {  // SEGKI_SKINNY_NORM_ROWS=exact: sums for the rows there are, not for 8
     if (a.norm_exact_rows) {
-      if (a.m == 1) return stage_normed<T, 1, STAMP>(a, xs, scratch, w0, st);
-      if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, st);
-      if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, st);
+      if (a.m == 1) return stage_normed<T, 1, STAMP>(a, xs, scratch, w0, w1, st);
+      if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, w1, st);
+      if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, w1, st);
     }
   }
-  stage_normed<T, NB * 8, STAMP>(a, xs, scratch, w0, st);
+  stage_normed<T, NB * 8, STAMP>(a, xs, scratch, w0, w1, st);
 }
 
 __device__ __forceinline__ void publish(int* flag) {
@@ -285,13 +305,16 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     }
     return;
   }
-  // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait)
-  const uint4 w0 = a.norm_w && threadIdx.x * 8 < a.k ? ld_cached(a.norm_w + threadIdx.x * 8) : make_uint4(0, 0, 0, 0);
+  // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait),
+  // and with exact rows its second stretch's (stage_normed)
+  const int wi = threadIdx.x * 8, wi1 = wi + kConsumers * 8;
+  const uint4 w0 = a.norm_w && wi < a.k ? ld_cached(a.norm_w + wi) : make_uint4(0, 0, 0, 0);
+  const uint4 w1 = a.norm_w && a.norm_exact_rows && wi1 < a.k ? ld_cached(a.norm_w + wi1) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
   mark<STAMP>(st, kWaited);
   // red is free until the first tile ends
-  stage_x<T, NB, STAMP>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, st);
+  stage_x<T, NB, STAMP>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
