@@ -74,12 +74,18 @@ def label(shape: dict) -> str:
     return f"{shape['rows']}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
 
 
+def known(blocks: list[dict], table: list[dict]) -> tuple[list[dict], float]:
+    """The blocks of the launches the table names, and the first one's start (the step's t0, us)."""
+    launches = {t["launch"] for t in table}
+    blocks = [b for b in blocks if b["launch"] in launches]
+    return blocks, min(b["start"] for b in blocks)
+
+
 def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[dict]]:
     """Per launch and per product shape: the phases' mean durations (us), the launch's span and end spread, and the
     SM gap and dry time against the previous skinny block on each SM."""
     shapes = {t["launch"]: t for t in table}
-    blocks = [b for b in blocks if b["launch"] in shapes]
-    t0 = min(b["start"] for b in blocks)
+    blocks, t0 = known(blocks, table)
     prev_on_sm: dict[int, dict] = {}
     for b in sorted(blocks, key=lambda b: b["start"]):
         if shapes[b["launch"]]["kind"] != 0:
@@ -123,8 +129,7 @@ def block_rows(blocks: list[dict], table: list[dict]) -> list[dict]:
     """Each block as a row for the per-block file: its launch's shape, its phases in us from the step's first
     block's start (3 decimals), its sums, gap and dry time."""
     shapes = {t["launch"]: label(t) for t in table}
-    blocks = [b for b in blocks if b["launch"] in shapes]
-    t0 = min(b["start"] for b in blocks)
+    blocks, t0 = known(blocks, table)
     rows = []
     for b in blocks:
         row = dict(launch=b["launch"], shape=shapes[b["launch"]], block=b["block"], sm=b["sm"])

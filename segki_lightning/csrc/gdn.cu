@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
   for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, r);
   cluster_barrier();  // peers' shared memory stays alive until every block has read it
   mark<STAMP>(st, kStaged);
-  mark<STAMP>(st, kFirst);
+  if constexpr (STAMP) st.clock[kFirst] = st.clock[kStaged];  // no units: first is staged
   // the new state is stored only now: each cluster barrier above fences memory GPU-wide (MEMBAR.ALL.GPU in the
   // SASS), and stores still in flight there would hold every warp of the cluster at it
 #pragma unroll

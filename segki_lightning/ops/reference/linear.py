@@ -8,7 +8,6 @@ first ``rms_norm(x, norm_w, norm_eps, norm_unit_offset)`` (the native ops normal
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
