@@ -18,9 +18,6 @@
 #   skinny  benchmarks/skinny.py: the skinny product (1-16 rows) vs cuBLAS and the GEMVs, 4B and 0.8B (skinny/)
 #   timeline the stamping tests (skinny product, GDN recurrence), then benchmarks/step_timeline.py: each block's phases
 #           of those kernels in one replayed decode step, 0.8B and 4B at 1 and 4 rows (timeline/b1/, timeline/b4/)
-#   normrows the skinny product's norm prologue summing only the rows of x there are (SEGKI_SKINNY_NORM_ROWS=exact)
-#           against 8 (=all): the norm, skinny and stamping GPU tests under exact, then step_timeline.py at one row and
-#           decode.py (0.8B and 4B, 1 and 4 rows) under each (normrows/{all,exact}/)
 #   attn    benchmarks/kernels.py, decode attention over valid lengths in a 32k cache, plain and under
 #           SEGKI_ATTN=batched (attn/{online,batched}/kernels.json/md)
 #   joint   benchmarks/decode.py at 8, 16 and 32 rows, one cuBLAS product per packed projection group past the
@@ -88,19 +85,6 @@ for stage in "${stages[@]}"; do
                python3 benchmarks/step_timeline.py --out "$out/timeline/b$b" --batch "$b" \
                  > "$out/timeline_b$b.log" 2>&1 || tail -5 "$out/timeline_b$b.log"
                grep -E "^\| (4b|0.8b)" "$out/timeline/b$b/step_timeline.md" | cut -c1-230
-             done ;;
-    normrows) SEGKI_SKINNY_NORM_ROWS=exact python3 -m pytest -q tests/gpu/test_skinny.py tests/gpu/test_kernels.py \
-               -k "norm or skinny or stamping" -p no:cacheprovider 2>&1 | tee "$out/normrows_tests.log" | tail -1
-             for v in all exact; do
-               SEGKI_SKINNY_NORM_ROWS=$v python3 benchmarks/step_timeline.py --out "$out/normrows/$v/timeline" \
-                 --batch 1 > "$out/normrows_timeline_$v.log" 2>&1 || tail -5 "$out/normrows_timeline_$v.log"
-               echo "-- $v"; grep -E "^\| (4b|0.8b)" "$out/normrows/$v/timeline/step_timeline.md" | cut -d'|' -f2-3,6-10
-             done
-             for v in all exact; do
-               SEGKI_SKINNY_NORM_ROWS=$v python3 benchmarks/decode.py --out "$out/normrows/$v/decode" \
-                 --models 0.8b 4b --batches 1 4 --hf-eager-batches --hf-compile-batches --no-graph-only \
-                 > "$out/normrows_decode_$v.log" 2>&1
-               echo "-- $v"; grep ours "$out/normrows/$v/decode/decode.md" | grep greedy | cut -d'|' -f2,4,6,7
              done ;;
     attn)    for variant in online batched; do
                SEGKI_ATTN=$variant python3 benchmarks/kernels.py --out "$out/attn/$variant" --models 0.8b 4b \

@@ -49,7 +49,6 @@ struct SkinnyArgs {
   const T* norm_w;    // [k]: the RMSNorm applied to x as it is staged, or nullptr
   float norm_eps;
   bool norm_unit_offset;
-  bool norm_exact_rows;  // the norm's sums for the m rows (rounded up to 1, 2, 4) instead of 8 or 16
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
@@ -142,9 +141,10 @@ struct ConsumersSync {
 // every 2048 each, the same block reduction), so the rows hold the bits that kernel would have stored and the
 // product is exactly the one of its output. Every row's stretch is requested at once; w0 (the thread's first 8
 // norm weights) came before the wait. M: the rows it holds sums for (at least m; a row past m sums zeros and is not
-// stored); each row's arithmetic is the same for any M. At M <= 4 (SEGKI_SKINNY_NORM_ROWS=exact) the first two
-// stretches (all of x for K <= 4096: the 4B's 2560) are requested together, one round trip instead of two, and w1
-// (the second stretch's norm weights) came before the wait too.
+// stored); each row's arithmetic is the same for any M. At M <= 4 the first two stretches (all of x for K <= 4096:
+// the 4B's 2560) are requested together, one round trip instead of two, and w1 (the second stretch's norm weights)
+// came before the wait too. Sums for the rows there are, not for 8: at one row the staging ran ~650 instructions a
+// thread instead of ~250 and took 2.1 us instead of 0.2 on the 0.8B (results/skinny/run15_normrows/).
 template <typename T, int M, bool STAMP>
 __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
                                              Stamps& st) {
@@ -213,12 +213,10 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
     mark<STAMP>(st, kReduced);
     return;
   }
-  if constexpr (NB == 1) {  // SEGKI_SKINNY_NORM_ROWS=exact: sums for the rows there are, not for 8
-    if (a.norm_exact_rows) {
-      if (a.m == 1) return stage_normed<T, 1, STAMP>(a, xs, scratch, w0, w1, st);
-      if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, w1, st);
-      if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, w1, st);
-    }
+  if constexpr (NB == 1) {  // sums for the rows there are (rounded up to 1, 2, 4), not for 8
+    if (a.m == 1) return stage_normed<T, 1, STAMP>(a, xs, scratch, w0, w1, st);
+    if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, w1, st);
+    if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, w1, st);
   }
   stage_normed<T, NB * 8, STAMP>(a, xs, scratch, w0, w1, st);
 }
@@ -306,10 +304,10 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     return;
   }
   // the norm prologue's first weights (a parameter, never written by a kernel of the step: safe before the wait),
-  // and with exact rows its second stretch's (stage_normed)
+  // and at 1-4 rows its second stretch's (stage_normed)
   const int wi = threadIdx.x * 8, wi1 = wi + kConsumers * 8;
   const uint4 w0 = a.norm_w && wi < a.k ? ld_cached(a.norm_w + wi) : make_uint4(0, 0, 0, 0);
-  const uint4 w1 = a.norm_w && a.norm_exact_rows && wi1 < a.k ? ld_cached(a.norm_w + wi1) : make_uint4(0, 0, 0, 0);
+  const uint4 w1 = NB == 1 && a.norm_w && a.m <= 4 && wi1 < a.k ? ld_cached(a.norm_w + wi1) : make_uint4(0, 0, 0, 0);
   pdl_launch_dependents();
   pdl_wait();
   mark<STAMP>(st, kWaited);
@@ -363,12 +361,6 @@ int part_cols(int k) {
     if (best == 0 || d < best_d || (d == best_d && kp < best)) best = kp;
   }
   return best;
-}
-
-// SEGKI_SKINNY_NORM_ROWS=exact: the norm prologue sums the rows of x there are (stage_x), not 8 or 16.
-bool norm_exact_rows() {
-  static const bool exact = env_is("SEGKI_SKINNY_NORM_ROWS", "exact");
-  return exact;
 }
 
 // The launch for x [m, k] by a weight of `rows` rows, or false where this path does not take it.
@@ -486,7 +478,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.norm_w = norm_w.has_value() ? reinterpret_cast<const T*>(norm_w->data_ptr()) : nullptr;
     a.norm_eps = (float)norm_eps;
     a.norm_unit_offset = norm_unit_offset;
-    a.norm_exact_rows = norm_exact_rows();
     a.partial = ws.partial;
     a.ready = ws.ready;
     a.m = (int)m;
