@@ -118,6 +118,16 @@ def write_results(out: Path, name: str, rows: list[dict], columns: list[str], he
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
+def step_args(doc: str, models: list[str]) -> argparse.Namespace:
+    """The arguments of the scripts that look inside one captured decode step per model: ``--out``, ``--models``
+    (default ``models``), ``--batch``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", nargs="+", default=models)
+    ap.add_argument("--batch", type=int, default=1)
+    return ap.parse_args()
+
+
 def captured_step(model, batch: int, new_tokens: int = 32):
     """``(engine, graph)``: a segki rollout engine on ``model`` that has decoded ``new_tokens`` tokens of one
     128-token prompt for ``batch`` rows, and its captured decode step for that batch (replay it to time one step)."""

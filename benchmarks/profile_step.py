@@ -8,7 +8,6 @@ before its predecessor ends and its time includes the wait).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -19,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import captured_step, write_results  # noqa: E402
+from common import captured_step, step_args, write_results  # noqa: E402
 from decode import build  # noqa: E402
 
 REPLAYS = 20
@@ -82,11 +81,7 @@ def profile_model(name: str, batch: int) -> tuple[list[dict], list[dict]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--models", nargs="+", default=["4b", "0.8b"])
-    ap.add_argument("--batch", type=int, default=1)
-    args = ap.parse_args()
+    args = step_args(__doc__, ["4b", "0.8b"])
     rows, sequence = [], []
     for name in args.models:
         model_rows, model_sequence = profile_model(name, args.batch)

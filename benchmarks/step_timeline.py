@@ -25,7 +25,6 @@ spans over their timer spans). Besides the tables, ``step_timeline_blocks.json.g
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import captured_step, write_results  # noqa: E402
+from common import captured_step, step_args, write_results  # noqa: E402
 
 PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "end")
 # a record: [launch << 32 | block, SM << 32 | grid, timer at start and end (ns), the SM clock at each phase, cycles
@@ -81,11 +80,9 @@ def known(blocks: list[dict], table: list[dict]) -> tuple[list[dict], float]:
     return blocks, min(b["start"] for b in blocks)
 
 
-def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[dict]]:
-    """Per launch and per product shape: the phases' mean durations (us), the launch's span and end spread, and the
-    SM gap and dry time against the previous skinny block on each SM."""
-    shapes = {t["launch"]: t for t in table}
-    blocks, t0 = known(blocks, table)
+def mark_sm_gaps(blocks: list[dict], shapes: dict[int, dict]) -> None:
+    """Each product block's gap (its start after the previous product block on its SM ended) and dry time (that end
+    to its first unit); None for the first on an SM and for recurrence blocks."""
     prev_on_sm: dict[int, dict] = {}
     for b in sorted(blocks, key=lambda b: b["start"]):
         if shapes[b["launch"]]["kind"] != 0:
@@ -95,22 +92,25 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
         b["gap"] = b["start"] - prev["end"] if prev else None
         b["dry"] = b["first"] - prev["end"] if prev else None
         prev_on_sm[b["sm"]] = b
-    by_launch = defaultdict(list)
-    for b in blocks:
-        by_launch[b["launch"]].append(b)
-    launches = []
-    for lid, bs in sorted(by_launch.items(), key=lambda kv: min(b["start"] for b in kv[1])):
-        ends, first = sorted(b["end"] for b in bs), min(b["start"] for b in bs)
-        row = dict(launch=lid, shape=label(shapes[lid]), blocks=len(bs), at_us=round(first - t0, 2),
-                   span_us=round(ends[-1] - first, 2), end_spread_us=round(ends[-1] - statistics.median(ends), 2))
-        for step, a, z in zip(STEPS, PHASES, PHASES[1:]):
-            row[step] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
-        for key in SUMS:
-            row[key] = round(statistics.fmean(b[key] for b in bs), 2)
-        for key in ("gap", "dry"):
-            vals = [b[key] for b in bs if b[key] is not None]
-            row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None
-        launches.append(row)
+
+
+def launch_row(lid: int, shape: dict, bs: list[dict], t0: float) -> dict:
+    """One launch: its start in the step, span and end spread, and its blocks' mean phase durations and sums."""
+    ends, first = sorted(b["end"] for b in bs), min(b["start"] for b in bs)
+    row = dict(launch=lid, shape=label(shape), blocks=len(bs), at_us=round(first - t0, 2),
+               span_us=round(ends[-1] - first, 2), end_spread_us=round(ends[-1] - statistics.median(ends), 2))
+    for step, a, z in zip(STEPS, PHASES, PHASES[1:]):
+        row[step] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
+    for key in SUMS:
+        row[key] = round(statistics.fmean(b[key] for b in bs), 2)
+    for key in ("gap", "dry"):
+        vals = [b[key] for b in bs if b[key] is not None]
+        row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None
+    return row
+
+
+def shape_rows(launches: list[dict]) -> list[dict]:
+    """The launches' metrics averaged per shape (those a shape has: None values left out)."""
     kinds = defaultdict(list)
     for r in launches:
         kinds[r["shape"]].append(r)
@@ -122,7 +122,21 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
             if vals:
                 row[k] = round(statistics.fmean(vals), 2)
         per_shape.append(row)
-    return launches, per_shape
+    return per_shape
+
+
+def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Per launch (in start order) and per shape: the phases' mean durations (us), the launch's span and end
+    spread, and the SM gap and dry time against the previous skinny block on each SM."""
+    shapes = {t["launch"]: t for t in table}
+    blocks, t0 = known(blocks, table)
+    mark_sm_gaps(blocks, shapes)
+    by_launch = defaultdict(list)
+    for b in blocks:
+        by_launch[b["launch"]].append(b)
+    order = sorted(by_launch.items(), key=lambda kv: min(b["start"] for b in kv[1]))
+    launches = [launch_row(lid, shapes[lid], bs, t0) for lid, bs in order]
+    return launches, shape_rows(launches)
 
 
 def block_rows(blocks: list[dict], table: list[dict]) -> list[dict]:
@@ -176,17 +190,9 @@ def stamp_step(name: str, batch: int) -> tuple[list[dict], list[dict], list[dict
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--models", nargs="+", default=["0.8b", "4b"])
-    ap.add_argument("--batch", type=int, default=1)
-    args = ap.parse_args()
-    launches, per_shape, per_block = [], [], []
-    for name in args.models:
-        a, b, c = stamp_step(name, args.batch)
-        launches += a
-        per_shape += b
-        per_block += c
+    args = step_args(__doc__, ["0.8b", "4b"])
+    per_model = [stamp_step(name, args.batch) for name in args.models]
+    launches, per_shape, per_block = ([r for rows in parts for r in rows] for parts in zip(*per_model))
     header = (f"# The skinny products' and GDN recurrences' blocks in one replayed decode step (batch {args.batch}; "
               f"us)\n\nCommand: `python benchmarks/step_timeline.py --out DIR --models {' '.join(args.models)} "
               f"--batch {args.batch}`")
