@@ -13,9 +13,10 @@ previous product block on the same SM ended: the launch hand-over, or the kernel
 ``end_spread`` is the last block's end after the median block's.
 
 The recurrence's rows (``recurrence``: its cluster kernel, which runs where the (row, head) items are fewer than
-the SMs) use the same columns: waited -> loaded its inputs landed, -> reduced the delta rule done (its state had
-landed), -> staged the head's norm sums exchanged through the cluster (two cluster barriers), staged = first,
--> last its new state's stores issued, -> end its output; it has no gap or dry time.
+the SMs; ``conv+recurrence`` where the step's conv runs inside it) use the same columns: waited -> loaded its
+inputs landed (and the conv's outputs computed), -> reduced the delta rule done (its state had landed) and the new
+state's stores issued, -> staged the head's norm sums exchanged through the cluster, staged = first, -> last its
+output (and the conv windows) stored, -> end; it has no gap or dry time.
 
 A block places itself in the step by ``%globaltimer`` at its start and end, which ticks every 250 ns on the H200;
 its phases are on the SM clock, converted with the cycles per ns of all the step's blocks together (their clock
@@ -69,7 +70,7 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
 
 def label(shape: dict) -> str:
     if shape["kind"] == 1:
-        return f"recurrence {shape['rows']}x{shape['tiles']} heads"
+        return f"{'conv+' if shape['gated'] else ''}recurrence {shape['rows']}x{shape['tiles']} heads"
     return f"{shape['rows']}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
 
 

@@ -73,6 +73,32 @@ __device__ __forceinline__ uint4 pack8(const float f[8]) {
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+// Qwen3.5's conv width, 4 values of one channel in 8 bytes: the dot product of the taps with the window after the
+// shift (the old window's last three values, then x), and that new window. conv_token's arithmetic, apart for the
+// GDN step that reads a window in several blocks and rewrites it in one once all have read it.
+template <typename T>
+__device__ __forceinline__ float conv4_sum(uint2 window, uint2 taps, float x) {
+  alignas(8) T s[4], k[4];
+  *reinterpret_cast<uint2*>(s) = window;
+  *reinterpret_cast<uint2*>(k) = taps;
+  const float v[4] = {to_float<T>(s[1]), to_float<T>(s[2]), to_float<T>(s[3]), x};
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc += v[i] * to_float<T>(k[i]);
+  return acc;
+}
+
+template <typename T>
+__device__ __forceinline__ uint2 conv4_shifted(uint2 window, T x) {
+  alignas(8) T s[4];
+  *reinterpret_cast<uint2*>(s) = window;
+  s[0] = s[1];
+  s[1] = s[2];
+  s[2] = s[3];
+  s[3] = x;
+  return *reinterpret_cast<const uint2*>(s);
+}
+
 // One causal depthwise-conv token of one channel (Gated-DeltaNet): shifts the channel's conv state
 // st[0..width) left by one, appends x (the projection's value, already rounded to T), returns
 // SiLU(window . w + bias). Shared by the standalone conv kernel and the in-projection's epilogue, so both
@@ -86,16 +112,9 @@ __device__ __forceinline__ float conv_token(T* __restrict__ st, const T* __restr
   if (width == 4 && ((reinterpret_cast<uintptr_t>(st) | reinterpret_cast<uintptr_t>(wc)) & 7) == 0) {
     // Qwen3.5's width: the window and the weights as one 8-byte load each, the new window as one store (scalar
     // 2-byte accesses left the standalone conv at ~1 TB/s); the same sums in the same order, so the same bits
-    alignas(8) T s[4], k[4];
-    *reinterpret_cast<uint2*>(s) = *reinterpret_cast<const uint2*>(st);
-    *reinterpret_cast<uint2*>(k) = *reinterpret_cast<const uint2*>(wc);
-    const float v[4] = {to_float<T>(s[1]), to_float<T>(s[2]), to_float<T>(s[3]), x};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      s[i] = from_float<T>(v[i]);
-      acc += v[i] * to_float<T>(k[i]);
-    }
-    *reinterpret_cast<uint2*>(st) = *reinterpret_cast<const uint2*>(s);
+    const uint2 window = *reinterpret_cast<const uint2*>(st);
+    acc = conv4_sum<T>(window, *reinterpret_cast<const uint2*>(wc), x);
+    *reinterpret_cast<uint2*>(st) = conv4_shifted<T>(window, from_float<T>(x));
   } else {
 #pragma unroll
     for (int i = 0; i < kMaxConvWidth; ++i) {  // unrolled and predicated: no indexed local array

@@ -5,23 +5,66 @@
 //   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
 //      state in place (Dk/4 entries of one column per thread, in registers), output, gated RMSNorm.
 // Rounding points follow ops/reference/gdn.py (the conv output, the core output and the normed value are
-// rounded to the activation dtype exactly where the reference does). The recurrence of Dk = Dv = 128 heads runs
+// rounded to the activation dtype exactly where the reference does). Where the (row, value head) items are fewer
+// than the SMs and a key head's value heads fit one cluster, the conv runs inside the recurrence's cluster kernel
+// instead (one launch; SEGKI_GDN_CONV=split keeps two). The recurrence of Dk = Dv = 128 heads runs
 // as resident blocks looping over the (row, head) items where there are at least as many as SMs
 // (gdn_recurrent_pipe_kernel): the same arithmetic with the states streamed in and out by the copy engine.
 #include "bulk.cuh"
 #include "common.cuh"
 #include "timeline.cuh"
 
-#include <cooperative_groups.h>
-
 namespace segki {
 namespace {
 
-// Every thread of the cluster arrives (release) and waits (acquire): cooperative_groups' cluster.sync() as
-// inline PTX, which ptxas keeps in line (cg's compiled to a subroutine call here, and the registers live
-// across a call spilled in the Dk = 256 kernel).
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+// The cluster's blocks (a 1-D cluster along x): this block's rank and their count.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ unsigned cluster_blocks() {
+  unsigned n;
+  asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return n;
+}
+
+// The cluster barrier in two halves, every thread of the cluster: arrive (relaxed: it publishes nothing but the
+// mbarrier's initialization, which fence.mbarrier_init orders before it) and, later, wait.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
+
+// Stores v at `local`'s address in the shared memory of the cluster's block `rank`, counted (4 bytes) on that
+// block's mbarrier at `bar`'s address: the receiver waits on its barrier, no cluster barrier on either side.
+__device__ __forceinline__ void store_to_block(float* local, float v, uint64_t* bar, unsigned rank) {
+  unsigned dst, dst_bar;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(smem_addr(local)), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst_bar) : "r"(smem_addr(bar)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(dst),
+               "r"(__float_as_uint(v)), "r"(dst_bar)
+               : "memory");
+}
+
+// Blocks until phase `parity` of this block's `bar` has completed, acquiring at cluster scope what the other
+// blocks stored onto it.
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+        "selp.u32 %0, 1, 0, p;\n\t}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // Row strides (elements) of the step's inputs: each may be a column slice of one product over packed weights.
@@ -53,24 +96,36 @@ struct ItemIn {
   T q_raw[N], k_raw[N];
 };
 
+// The item's parameters: A_log and dt_bias (of its head; as stored, or the launch's fp32 copies) and the gated
+// norm's weight (of its column).
 template <typename T, int DK, int THREADS>
-__device__ __forceinline__ ItemIn<T, DK, THREADS> load_item(
-    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
-    RowStrides ld, const void* a_log, const void* dt_bias, bool gates_fp32, const T* __restrict__ norm_w, int hk,
-    int hv, int dv, int b, int h, int j) {
-  const int kh = h / (hv / hk);
-  const T* row = mixed + (size_t)b * ld.mixed;
-  ItemIn<T, DK, THREADS> in;
-  in.v_raw = row[2 * hk * DK + h * dv + j];
-  in.a_raw = agate[(size_t)b * ld.a + h];
-  in.b_raw = bgate[(size_t)b * ld.b + h];
+__device__ __forceinline__ void load_params(ItemIn<T, DK, THREADS>& in, const void* a_log, const void* dt_bias,
+                                            bool gates_fp32, const T* __restrict__ norm_w, int h, int j) {
   auto param = [&](const void* p) {  // A_log / dt_bias are stored in fp32 or in the activation dtype
     return gates_fp32 ? static_cast<const float*>(p)[h] : to_float<T>(static_cast<const T*>(p)[h]);
   };
   in.dt_b = param(dt_bias);
   in.a_lg = param(a_log);
-  in.z_raw = z[(size_t)b * ld.z + h * dv + j];
   in.nw_raw = norm_w[j];
+}
+
+// The item's activations besides q|k|v: z and the gate inputs.
+template <typename T, int DK, int THREADS>
+__device__ __forceinline__ void load_gates(ItemIn<T, DK, THREADS>& in, const T* __restrict__ z,
+                                           const T* __restrict__ bgate, const T* __restrict__ agate, RowStrides ld,
+                                           int dv, int b, int h, int j) {
+  in.a_raw = agate[(size_t)b * ld.a + h];
+  in.b_raw = bgate[(size_t)b * ld.b + h];
+  in.z_raw = z[(size_t)b * ld.z + h * dv + j];
+}
+
+// The item's v and the thread's share of q and k from mixed (q|k|v after the conv).
+template <typename T, int DK, int THREADS>
+__device__ __forceinline__ void load_qkv(ItemIn<T, DK, THREADS>& in, const T* __restrict__ mixed, RowStrides ld,
+                                         int hk, int hv, int dv, int b, int h, int j) {
+  const int kh = h / (hv / hk);
+  const T* row = mixed + (size_t)b * ld.mixed;
+  in.v_raw = row[2 * hk * DK + h * dv + j];
 #pragma unroll
   for (int n = 0; n < in.N; ++n) {
     const int i = threadIdx.x + n * THREADS;
@@ -79,8 +134,56 @@ __device__ __forceinline__ ItemIn<T, DK, THREADS> load_item(
       in.k_raw[n] = row[hk * DK + kh * DK + i];
     }
   }
+}
+
+template <typename T, int DK, int THREADS>
+__device__ __forceinline__ ItemIn<T, DK, THREADS> load_item(
+    const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
+    RowStrides ld, const void* a_log, const void* dt_bias, bool gates_fp32, const T* __restrict__ norm_w, int hk,
+    int hv, int dv, int b, int h, int j) {
+  ItemIn<T, DK, THREADS> in;
+  load_qkv(in, mixed, ld, hk, hv, dv, b, h, j);
+  load_gates(in, z, bgate, agate, ld, dv, b, h, j);
+  load_params(in, a_log, dt_bias, gates_fp32, norm_w, h, j);
   return in;
 }
+
+// The conv of the step inside the recurrence (gdn_decode_step at few rows, Qwen3.5's width 4 with 8-byte aligned
+// windows and taps): `mixed` is then q|k|v before the conv, `state` the windows [B, C, 4] rewritten in place,
+// `w` the taps [C, 4], `bias` [C] or nullptr.
+template <typename T>
+struct ConvArgs {
+  T* state;
+  const T* w;
+  const T* bias;
+  int channels;
+};
+
+// One channel's conv: taps and bias (parameters: before the PDL wait), then its old window and new token.
+template <typename T>
+struct ConvIn {
+  uint2 window, taps;
+  float bias;
+  T x;
+
+  __device__ __forceinline__ void load_taps(const ConvArgs<T>& c, int ch) {
+    taps = *reinterpret_cast<const uint2*>(c.w + (size_t)ch * 4);
+    bias = c.bias ? to_float<T>(c.bias[ch]) : 0.f;
+  }
+  __device__ __forceinline__ void load_token(const ConvArgs<T>& c, const T* row, int b, int ch) {
+    window = *reinterpret_cast<const uint2*>(c.state + ((size_t)b * c.channels + ch) * 4);
+    x = row[ch];
+  }
+  // conv_token's output: SiLU(taps . shifted window + bias), rounded to T as the conv kernel stores it
+  __device__ __forceinline__ T value(const ConvArgs<T>& c) const {
+    float acc = conv4_sum<T>(window, taps, to_float<T>(x));
+    if (c.bias) acc += bias;
+    return from_float<T>(silu(acc));
+  }
+  __device__ __forceinline__ void store_window(const ConvArgs<T>& c, int b, int ch) const {
+    *reinterpret_cast<uint2*>(c.state + ((size_t)b * c.channels + ch) * 4) = conv4_shifted<T>(window, x);
+  }
+};
 
 // q and k into shared memory (sq, sk [DK]), with the thread's partial sums of their squares.
 template <typename T, int DK, int THREADS>
@@ -159,61 +262,137 @@ __device__ __forceinline__ T gated_norm(float o, float total, int dv, float eps,
   return from_float<T>(t * silu(zz));
 }
 
-// grid (Hv * tiles, B) in clusters of `tiles` blocks (one cluster per value head), block 128 threads: a
-// block owns 32 state columns of its head; thread (ty, jl) keeps rows [ty*Dk/4, (ty+1)*Dk/4) of column
-// tile*32 + jl in registers. The gated RMSNorm over the head's Dv outputs sums the tiles' partial squares
-// through distributed shared memory. STAMP: the timeline's instantiation (timeline.cuh; thread 0 of each block
-// writes its record into `stamps`).
-template <typename T, int DK, bool STAMP>
+constexpr int kMaxCluster = 8;  // blocks per cluster (the portable limit)
+
+// grid (Hv * tiles, B), block 128 threads: a block owns 32 state columns of a value head; thread (ty, jl) keeps rows
+// [ty*Dk/4, (ty+1)*Dk/4) of column tile*32 + jl in registers. Clusters of `tiles` blocks (one value head), or with
+// CONV of all the value heads of one key head: the conv runs here, each block computing the q and k channels of
+// its key head (as every block of the cluster does) and its own v channels from the old windows, and the cluster's
+// block 0 rewriting the q and k windows once every block has read them. The gated RMSNorm over a head's Dv outputs
+// adds its tiles' squares, which every block stores into every block of the cluster (st.async onto an mbarrier):
+// the sums of the split conv kernel and recurrence, in the same order (the same bits). STAMP: the timeline's
+// instantiation (timeline.cuh; thread 0 of each block writes its record into `stamps`).
+template <typename T, int DK, bool CONV, bool STAMP>
 __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
     bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, int dv, float eps,
-    unsigned long long* stamps, int launch_id) {
+    ConvArgs<T> conv, unsigned long long* stamps, int launch_id) {
   Stamps st{};
   mark_start<STAMP>(st);
-  pdl_start();  // everything below reads what earlier kernels wrote
-  mark<STAMP>(st, kWaited);
   constexpr int R = DK / 4;
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
+  using In = ItemIn<T, DK, 128>;
   const int tiles = dv / 32;
-  const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y;
+  const int h = blockIdx.x / tiles, tile = blockIdx.x % tiles, b = blockIdx.y, kh = h / (hv / hk);
   const int jl = threadIdx.x & 31, ty = threadIdx.x >> 5, j = tile * 32 + jl;
-  __shared__ float sq[DK], sk[DK], red[2][4][32], sq_part;
+  const unsigned rank = cluster_rank(), blocks = cluster_blocks();
+  __shared__ float sq[DK], sk[DK], red[2][4][32], parts[kMaxCluster];
   __shared__ float2 norms[4];
-  // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
+  __shared__ __align__(8) uint64_t parts_in;
   float* state_col = state + (((size_t)b * hv + h) * DK + ty * R) * dv + j;
+  const int ch_q = kh * DK, ch_k = hk * DK + kh * DK, ch_v = 2 * hk * DK + h * dv + j;
+  ConvIn<T> cq[In::N], ck[In::N], cv;
+  // before the wait: the exchange's mbarrier and the cluster arrival, L2 prefetches of what kernels write (the
+  // state slice, one 128-byte row piece per thread; the conv windows) and the conv's taps (A_log and dt_bias wait:
+  // they may be this call's fp32 copies)
+  if (threadIdx.x == 0) {
+    mbar_init(&parts_in);
+    mbar_expect(&parts_in, blocks * 4);  // one float from every block of the cluster
+    bulk_fence_init();                   // the initialization, before the cluster arrival below
+  }
+  cluster_arrive_relaxed();  // waited on before the first store into another block, long after
+  for (int r = threadIdx.x; r < DK; r += 128) prefetch_l2(state + (((size_t)b * hv + h) * DK + r) * dv + tile * 32);
+  if constexpr (CONV) {
+    const T* windows = conv.state + (size_t)b * conv.channels * 4;
+    if (threadIdx.x < DK / 16) {  // 16 windows of 8 bytes per line
+      prefetch_l2(windows + (size_t)(ch_q + threadIdx.x * 16) * 4);
+      prefetch_l2(windows + (size_t)(ch_k + threadIdx.x * 16) * 4);
+    }
+    if (threadIdx.x < 2) prefetch_l2(windows + (size_t)(ch_v - jl + threadIdx.x * 16) * 4);
+#pragma unroll
+    for (int n = 0; n < In::N; ++n) {
+      const int i = threadIdx.x + n * 128;
+      if (i < DK) {
+        cq[n].load_taps(conv, ch_q + i);
+        ck[n].load_taps(conv, ch_k + i);
+      }
+    }
+    cv.load_taps(conv, ch_v);
+  }
+  pdl_launch_dependents();
+  pdl_wait();  // everything below reads what earlier kernels wrote
+  mark<STAMP>(st, kWaited);
+  // the state slice (the bulk of the bytes) is requested first; the q/k norms below overlap its latency
   float s[R];
 #pragma unroll
   for (int i = 0; i < R; ++i) s[i] = state_col[(size_t)i * dv];
-  // every other read of the step requested now too: behind the block and cluster barriers below each was a
-  // round trip of its own (ptxas does not move loads across them)
-  auto in = load_item<T, DK, 128>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, dv, b,
-                                  h, j);
+  // every other read of the step requested now too: behind the block barriers below each was a round trip of its
+  // own (ptxas does not move loads across them)
+  In in;
+  load_params(in, a_log, dt_bias, gates_fp32, norm_w, h, j);
+  if constexpr (CONV) {
+    const T* row = mixed + (size_t)b * ld.mixed;
+#pragma unroll
+    for (int n = 0; n < In::N; ++n) {
+      const int i = threadIdx.x + n * 128;
+      if (i < DK) {
+        cq[n].load_token(conv, row, b, ch_q + i);
+        ck[n].load_token(conv, row, b, ch_k + i);
+      }
+    }
+    cv.load_token(conv, row, b, ch_v);
+    load_gates(in, z, bgate, agate, ld, dv, b, h, j);
+#pragma unroll
+    for (int n = 0; n < In::N; ++n) {
+      if (threadIdx.x + n * 128 < DK) {
+        in.q_raw[n] = cq[n].value(conv);
+        in.k_raw[n] = ck[n].value(conv);
+      }
+    }
+    in.v_raw = cv.value(conv);
+  } else {
+    load_qkv(in, mixed, ld, hk, hv, dv, b, h, j);
+    load_gates(in, z, bgate, agate, ld, dv, b, h, j);
+  }
   stash_qk(in, sq, sk);
   put_qk_norms(in, norms);
   __syncthreads();
   mark<STAMP>(st, kLoaded);
   const float2 sc = qk_scales<DK>(norms);
   const float o = delta_rule<T, R>(s, in, sq, sk, sc.x, sc.y, red, ty, jl);
-  mark<STAMP>(st, kReduced);
-  if (ty == 0) {
-    const float w = warp_sum(o * o);
-    if (jl == 0) sq_part = w;
-  }
-  cluster_barrier();
-  float total = 0.f;
-  for (int r = 0; r < tiles; ++r) total += *cluster.map_shared_rank(&sq_part, r);
-  cluster_barrier();  // peers' shared memory stays alive until every block has read it
-  mark<STAMP>(st, kStaged);
-  if constexpr (STAMP) st.clock[kFirst] = st.clock[kStaged];  // no units: first is staged
-  // the new state is stored only now: each cluster barrier above fences memory GPU-wide (MEMBAR.ALL.GPU in the
-  // SASS), and stores still in flight there would hold every warp of the cluster at it
+  // the new state's stores drain while the cluster exchanges the norm's sums
 #pragma unroll
   for (int i = 0; i < R; ++i) state_col[(size_t)i * dv] = s[i];
-  mark<STAMP>(st, kLast);
+  mark<STAMP>(st, kReduced);
+  // the tile's share of its head's squares, into every block of the cluster (each has read its windows: its
+  // delta rule's barriers are behind it); then the shares of this block's head, in tile order
+  cluster_wait();  // every block's mbarrier is initialized
+  const int head0 = (int)(rank / tiles) * tiles;
+  float total = 0.f;
+  if (ty == 0) {
+    const float w = warp_sum(o * o);
+    if (jl == 0)
+      for (unsigned r = 0; r < blocks; ++r) store_to_block(&parts[rank], w, &parts_in, r);
+  }
+  mbar_wait_cluster(&parts_in, 0);
+  for (int t = 0; t < tiles; ++t) total += parts[head0 + t];
+  mark<STAMP>(st, kStaged);
+  if constexpr (STAMP) st.clock[kFirst] = st.clock[kStaged];  // no units: first is staged
   if (ty == 0) out[((size_t)b * hv + h) * dv + j] = gated_norm<T>(o, total, dv, eps, in);
+  if constexpr (CONV) {
+    if (ty == 0) cv.store_window(conv, b, ch_v);  // read by this block alone, before its barriers
+    if (rank == 0) {  // the key head's windows: every block of the cluster has stored its share, so has read them
+#pragma unroll
+      for (int n = 0; n < In::N; ++n) {
+        const int i = threadIdx.x + n * 128;
+        if (i < DK) {
+          cq[n].store_window(conv, b, ch_q + i);
+          ck[n].store_window(conv, b, ch_k + i);
+        }
+      }
+    }
+  }
+  mark<STAMP>(st, kLast);
   if constexpr (STAMP) {
     if (threadIdx.x == 0) write_stamps(stamps, launch_id, st, 1);
   }
@@ -243,7 +422,7 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
   pdl_launch_dependents();
   // before the wait only an L2 prefetch of the first item's state (safe whatever kernel wrote it last: writes
   // land in L2, a prefetch only warms it): one 128-byte line per thread
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(state + (size_t)blockIdx.x * SLOT + threadIdx.x * 32));
+  prefetch_l2(state + (size_t)blockIdx.x * SLOT + threadIdx.x * 32);
   if (threadIdx.x == 0) {
     mbar_init(&bar[0]);
     mbar_init(&bar[1]);
@@ -344,11 +523,29 @@ GdnDims check_recurrence(const char* op, const at::Tensor& mixed, const at::Tens
   return d;
 }
 
-// Launches the recurrence on `mixed` (after the conv); returns [B, Hv*Dv].
+// The step's conv inside the recurrence's cluster kernel (gdn_decode_step where the items are fewer than the SMs):
+// Qwen3.5's width 4 with 8-byte aligned windows and taps, and the value heads of a key head within one cluster.
+// SEGKI_GDN_CONV=split keeps the conv kernel before the recurrence.
+struct ConvTensors {
+  at::Tensor& state;
+  const at::Tensor& weight;
+  const c10::optional<at::Tensor>& bias;
+};
+
+bool conv_inside(const GdnDims& d, const ConvTensors& c) {
+  static const bool split = env_is("SEGKI_GDN_CONV", "split");
+  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0; };
+  return !split && c.state.size(2) == 4 && aligned(c.state) && aligned(c.weight) &&
+         d.bsz * d.hv < at::cuda::getCurrentDeviceProperties()->multiProcessorCount &&
+         (d.hv / d.hk) * (d.dv / 32) <= kMaxCluster;
+}
+
+// Launches the recurrence on `mixed` (after the conv; with `conv`, before it: the conv runs inside); returns
+// [B, Hv*Dv].
 at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor& mixed, const at::Tensor& z,
                              const at::Tensor& b, const at::Tensor& a, at::Tensor& recurrent_state,
                              const at::Tensor& a_log, const at::Tensor& dt_bias, const at::Tensor& norm_weight,
-                             double norm_eps) {
+                             double norm_eps, const ConvTensors* conv = nullptr) {
   const auto dt = mixed.scalar_type();
   // Read the gate parameters where they are (no per-step cast kernels) when both share fp32 or the
   // activation dtype; any other mix is converted once per call.
@@ -380,21 +577,32 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
     return out;
   }
   SEGKI_DISPATCH_HALF(dt, op, [&] {
+    ConvArgs<T> ca{};
+    if (conv) {
+      ca.state = reinterpret_cast<T*>(conv->state.data_ptr());
+      ca.w = reinterpret_cast<const T*>(conv->weight.data_ptr());
+      ca.bias = conv->bias ? reinterpret_cast<const T*>(conv->bias->data_ptr()) : nullptr;
+      ca.channels = d.c_total;
+    }
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;
-      // clusters of Dv/32 blocks: one cluster per (value head, row); the timeline's instantiation while it stamps
-      const dim3 grid(d.hv * (d.dv / 32), d.bsz);
+      // clusters of Dv/32 blocks, one per (value head, row), or with the conv of all a key head's value heads;
+      // the timeline's instantiation while it stamps
+      const dim3 grid(d.hv * (d.dv / 32), d.bsz), cluster((conv ? d.hv / d.hk : 1) * (d.dv / 32));
       unsigned long long* stamps = stamp_state().buf;
-      const int id = stamps ? stamp_launch(kGdnRecurrence, {d.bsz, d.dk, d.hv * d.dv, 0, grid.x * grid.y,
-                                                            d.dv / 32, d.hv})
+      const int id = stamps ? stamp_launch(kGdnRecurrence, {d.bsz, d.dk, d.hv * d.dv, conv ? 1 : 0,
+                                                            grid.x * grid.y, d.dv / 32, d.hv})
                             : 0;
-      launch_pdl(stamps ? gdn_recurrent_kernel<T, DK, true> : gdn_recurrent_kernel<T, DK, false>, grid, dim3(128),
-          stream, dim3(d.dv / 32), reinterpret_cast<const T*>(mixed.data_ptr()),
+      auto kernel = conv ? (stamps ? gdn_recurrent_kernel<T, DK, true, true>
+                                   : gdn_recurrent_kernel<T, DK, true, false>)
+                         : (stamps ? gdn_recurrent_kernel<T, DK, false, true>
+                                   : gdn_recurrent_kernel<T, DK, false, false>);
+      launch_pdl(kernel, grid, dim3(128), stream, cluster, reinterpret_cast<const T*>(mixed.data_ptr()),
           reinterpret_cast<const T*>(z.data_ptr()), reinterpret_cast<const T*>(b.data_ptr()),
           reinterpret_cast<const T*>(a.data_ptr()), ld, recurrent_state.data_ptr<float>(),
           static_cast<const void*>(a_log_p.data_ptr()), static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv,
-          (float)norm_eps, stamps, id);
+          (float)norm_eps, ca, stamps, id);
     };
     with_head_dim(d.dk, launch);
   });
@@ -418,6 +626,9 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
               ": conv weight ", conv_weight.sizes(), " / state ", conv_state.sizes(), " mismatch (width <= 8)");
   TORCH_CHECK(conv_state.sizes() == at::IntArrayRef({d.bsz, d.c_total, width}), op, ": conv_state ",
               conv_state.sizes(), " != [B, C, width]: one conv window per row of qkv and channel");
+  const ConvTensors conv{conv_state, conv_weight, conv_bias};
+  if (d.bsz > 0 && conv_inside(d, conv))
+    return launch_recurrence(op, d, qkv, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, norm_eps, &conv);
   auto mixed = at::empty(qkv.sizes(), qkv.options());   // contiguous, whatever qkv's row stride
   if (d.bsz > 0) {
     c10::cuda::CUDAGuard guard(qkv.device());

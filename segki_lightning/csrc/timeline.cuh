@@ -18,9 +18,9 @@ namespace segki {
 
 // A block's phases. The skinny product: its start, the PDL wait's return, x's loads landed (its first pass), the
 // norm's sums reduced (= loaded without a norm), x staged, the first unit landed, the last unit multiplied, its
-// end. The recurrence: its start, the wait's return, its inputs landed, the delta rule done (its state landed),
-// the head's norm sums exchanged through the cluster (staged and first alike), its new state's stores issued, its
-// end.
+// end. The recurrence: its start, the wait's return, its inputs landed (with the conv inside: and its outputs
+// computed), the delta rule done (its state landed) and the new state's stores issued, the head's norm sums
+// exchanged through the cluster (staged and first alike), its output and windows stored, its end.
 enum Phase { kStart, kWaited, kLoaded, kReduced, kStaged, kFirst, kLast, kEnd, kPhases };
 constexpr int kStampWords = 16;
 
@@ -76,7 +76,7 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
 // The host side: the buffer later launches stamp into (null: none), and the launches made since the last
 // timeline_stamps call, kStampTableCols numbers each: launch id, kind, then what the kind's launch was --
 // the skinny product: rows of x, K, output columns, gated, grid, parts of K, tiles; the recurrence: rows, Dk,
-// value heads x Dv, 0, grid, blocks per value head, value heads.
+// value heads x Dv, 1 with the conv inside (else 0), grid, blocks per value head, value heads.
 enum StampKind : int64_t { kSkinnyProduct = 0, kGdnRecurrence = 1 };
 constexpr int kStampTableCols = 9;
 

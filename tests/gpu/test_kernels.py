@@ -279,9 +279,10 @@ def test_silu_mul_beyond_the_gemv_rows(rows, dtype):
         assert torch.equal(ops.gated_mlp_front(x, wg, wu), got)  # the dispatch takes exactly this path
 
 
-# (Hk, Hv, Dk, Dv): the 4B and 0.8B heads, odd sizes, and the largest key head (64 state values per thread)
+# (Hk, Hv, Dk, Dv): the 4B and 0.8B heads, odd sizes, the largest key head (64 state values per thread) and the
+# tests' tiny Qwen3.5 (two value heads of 64 per key head: clusters of 4 blocks with the conv inside)
 GDN_SHAPES = {"4b": (16, 32, 128, 128), "08b": (16, 16, 128, 128), "odd": (2, 6, 64, 96),
-              "dk256": (2, 4, 256, 64)}
+              "dk256": (2, 4, 256, 64), "tiny": (2, 4, 64, 64)}
 
 
 def gdn_inputs(batch, hk, hv, dk, dv, dtype, width=4):
@@ -308,6 +309,33 @@ def test_gdn_decode_step(shape, batch, dtype):
     assert torch.equal(args["conv_state"], ref_args["conv_state"])  # pure data movement: exact
     assert rel_err(args["recurrent_state"], ref_args["recurrent_state"]) < 1e-3
     assert rel_err(out, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", [1, 3, 5])
+@pytest.mark.parametrize("shape", list(GDN_SHAPES))
+def test_gdn_decode_steps_in_a_row_follow_the_reference(shape, batch, dtype):
+    """Several steps on the same windows and state, each reading what the one before rewrote (the conv windows
+    rewritten by one block of a cluster after all have read them, where the conv runs inside), with q|k|v, z, b
+    and a as column slices of one product, as the model's in-projection gives them: every step's windows exact,
+    state and output within the dtype's tolerance of the reference carried alongside."""
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+    ref = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()}
+    widths = [g[k].shape[1] for k in ("qkv", "z", "b", "a")]
+    for _ in range(4):
+        joint = randn(batch, sum(widths) + 8, dtype=dtype)   # [B, C + Hv*Dv + 2*Hv + 8]: rows apart
+        step = dict(zip(("qkv", "z", "b", "a"), joint[:, :sum(widths)].split(widths, dim=1)))
+        g.update(step)
+        ref.update({k: v.clone() for k, v in step.items()})
+        poison((batch, hv * dv), dtype=dtype)
+        out = torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
+        want = R.gdn_decode_step(*ref.values(), 1e-6, hk, dk, dv)
+        assert not torch.isnan(out).any()
+        assert torch.equal(g["conv_state"], ref["conv_state"])
+        assert rel_err(g["recurrent_state"], ref["recurrent_state"]) < 1e-3
+        assert rel_err(out, want) < TOL[dtype]
+        ref["recurrent_state"].copy_(g["recurrent_state"])   # the next step from the same state: no drift
 
 
 def misaligned(t):
@@ -407,6 +435,80 @@ def test_resident_gdn_recurrence_gives_each_row_its_bits_alone(shape, batch, dty
     for got, want in zip(whole, (torch.cat(parts) for parts in zip(*singles))):
         assert not torch.isnan(got).any() and torch.equal(got, want)
     assert not torch.equal(whole[2], g["recurrent_state"])      # the state moved
+
+
+GDN_STEP_CALLS = """
+import sys, torch
+from segki_lightning.ops.extension import native_ops
+ops, outs = native_ops(), []
+for case in torch.load(sys.argv[1]):
+    g = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.items()}
+    tail, sliced = g.pop("tail"), g.pop("sliced")
+    if sliced:  # q|k|v, z, b, a as column slices of one product, as past the native rows
+        parts = [g[k] for k in ("qkv", "z", "b", "a")]
+        joint = torch.cat(parts, dim=1)
+        g.update(zip(("qkv", "z", "b", "a"), joint.split([t.shape[1] for t in parts], dim=1)))
+    out = ops.gdn_decode_step(*g.values(), *tail)
+    outs.append([out.cpu(), g["conv_state"].cpu(), g["recurrent_state"].cpu()])
+torch.save(outs, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path, dtype):
+    """Where its (row, value head) items are fewer than the SMs, gdn_decode_step runs the conv inside the
+    recurrence's cluster kernel (each block computing its key head's q and k channels, one block per key head
+    rewriting their windows once every block of the cluster has read them); ``SEGKI_GDN_CONV=split`` keeps the
+    conv kernel before the recurrence. Output, conv windows and recurrent state are bit-identical: the 4B heads (two
+    value heads per key head: clusters of 8 blocks), the 0.8B's and Dk = 256, at 1 and 3 rows and at the most rows
+    below the SM count, with a conv bias, and on column slices of one product. One child process per setting."""
+    import os
+    import subprocess
+    import sys
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cases = []
+    for shape in ("4b", "08b", "dk256"):
+        hk, hv, dk, dv = GDN_SHAPES[shape]
+        for batch, bias, sliced in ((1, False, False), (3, True, False), ((sms - 1) // hv, False, True)):
+            g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
+            if bias:
+                g["conv_bias"] = randn(g["qkv"].shape[1], dtype=dtype)
+            cases.append({**{k: v.cpu() if torch.is_tensor(v) else v for k, v in g.items()},
+                          "tail": (1e-6, hk, dk, dv), "sliced": sliced})
+    torch.save(cases, tmp_path / "inputs.pt")
+    script = tmp_path / "calls.py"
+    script.write_text(GDN_STEP_CALLS)
+    outs = []
+    for value in ("", "split"):
+        out = tmp_path / f"out_{value or 'inside'}.pt"
+        env = {k: v for k, v in os.environ.items() if k != "SEGKI_GDN_CONV"}
+        subprocess.run([sys.executable, str(script), str(tmp_path / "inputs.pt"), str(out)], check=True,
+                       env={**env, "SEGKI_GDN_CONV": value} if value else env, timeout=600)
+        outs.append(torch.load(out))
+    for case, inside, split in zip(cases, *outs, strict=True):
+        for a, b in zip(inside, split, strict=True):
+            assert not torch.isnan(a).any() and torch.equal(a, b)
+        assert not torch.equal(inside[1], case["conv_state"])     # the windows moved
+
+
+@pytest.mark.parametrize("shape", list(GDN_SHAPES))
+def test_the_gdn_step_runs_its_conv_inside_where_a_cluster_holds_a_key_heads_blocks(shape, monkeypatch):
+    """gdn_decode_step at one row is one stamped launch, the recurrence's cluster kernel, with the conv inside
+    (the launch table's fourth number) where a key head's value heads fit one cluster of 8 blocks (the 4B, 0.8B
+    and Dk = 256 heads) and after the conv kernel where they do not (``odd``: 3 value heads of 3 blocks)."""
+    monkeypatch.delenv("SEGKI_GDN_CONV", raising=False)
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    g = gdn_inputs(1, hk, hv, dk, dv, torch.bfloat16)
+    room, words = 512, 16
+    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
+    buf[1] = room
+    torch.ops.segki.timeline_stamps(buf, True)
+    torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert table.shape == (1, 9) and table[0, 1].item() == 1       # one launch stamped: the recurrence
+    assert table[0, 5].item() == (0 if shape == "odd" else 1)   # launch, kind, rows, Dk, Hv x Dv, conv
 
 
 @pytest.mark.parametrize("batch", [1, 3])
