@@ -1,5 +1,5 @@
-// Fused Gated-DeltaNet decode step (after the input projections), two kernels instead of the ~15 ops
-// transformers runs per layer and token (gdn_decode_step), or the second alone (gdn_recurrent_step) when
+// Fused Gated-DeltaNet decode step (after the input projections), two kernels (or one, below) instead of the ~15
+// ops transformers runs per layer and token (gdn_decode_step), or the second alone (gdn_recurrent_step) when
 // the conv ran in the in-projection's epilogue (gemv.cu, gdn_in_proj_conv):
 //   1. conv: shift the conv state left by one, append the new q|k|v token, depthwise conv + SiLU.
 //   2. recurrence: per (row, value head, 32 columns): q/k L2-norm, gates, delta-rule update of the fp32
