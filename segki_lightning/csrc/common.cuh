@@ -314,14 +314,16 @@ void allow_dynamic_smem(int bytes) {
   done.fetch_or(bit, std::memory_order_relaxed);
 }
 
+// Asks L2 for the 128-byte line at p (no register written, nothing waited for).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // The warp prefetches `rows` rows of a row-major [*, ld] half matrix, columns [k0, k1), into L2.
 template <typename T>
 __device__ __forceinline__ void prefetch_rows_l2(const T* p, int rows, size_t ld, int k0, int k1) {
   constexpr int kLine = 128 / sizeof(T);  // elements per 128-byte line
   const int lines = (k1 - k0 + kLine - 1) / kLine;
   for (int i = threadIdx.x & 31; i < rows * lines; i += 32) {
-    const T* a = p + (size_t)(i / lines) * ld + k0 + (i % lines) * kLine;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    prefetch_l2(p + (size_t)(i / lines) * ld + k0 + (i % lines) * kLine);
   }
 }
 

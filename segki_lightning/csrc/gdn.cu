@@ -49,24 +49,6 @@ __device__ __forceinline__ void store_to_block(float* local, float v, uint64_t* 
                : "memory");
 }
 
-// Blocks until phase `parity` of this block's `bar` has completed, acquiring at cluster scope what the other
-// blocks stored onto it.
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* bar, unsigned parity) {
-  unsigned done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-        "selp.u32 %0, 1, 0, p;\n\t}"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  }
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Row strides (elements) of the step's inputs: each may be a column slice of one product over packed weights.
 struct RowStrides {
   int64_t mixed, z, b, a;
@@ -374,7 +356,7 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
     if (jl == 0)
       for (unsigned r = 0; r < blocks; ++r) store_to_block(&parts[rank], w, &parts_in, r);
   }
-  mbar_wait_cluster(&parts_in, 0);
+  mbar_wait<true>(&parts_in, 0);
   for (int t = 0; t < tiles; ++t) total += parts[head0 + t];
   mark<STAMP>(st, kStaged);
   if constexpr (STAMP) st.clock[kFirst] = st.clock[kStaged];  // no units: first is staged
