@@ -43,6 +43,7 @@ PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "en
 # waiting for units, cycles in tile ends, units]
 WORDS = 16
 TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")   # kind 0: product, 1: recurrence
+# (a recurrence's k, n, gated, parts and tiles are its Dk, Hv x Dv, conv inside, blocks per value head, value heads)
 ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
 SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
