@@ -295,6 +295,14 @@ def test_attention_prologue_is_qwen35_attention_code_exactly(dtype):
     attn = R.decode_attention(got, k_cache, v_cache, lengths, d**-0.5, gate.reshape(b, hq, d))
     assert torch.equal(attn, R.decode_attention(got, k_cache, v_cache, lengths, d**-0.5)
                        * torch.sigmoid(gate.reshape(b, hq, d)))
+    # the whole step from the same projections: the gate is the second half of each head's q_proj columns
+    step_k, step_v = want_k.clone(), want_v.clone()
+    step_k[rows, :, positions] = float("nan")    # the step writes the new token before attending over it
+    step_v[rows, :, positions] = float("nan")
+    step = R.decode_attention_step(q_and_gate, k, v, cos[:, 0], sin[:, 0], q_norm.weight, k_norm.weight, step_k,
+                                   step_v, positions, lengths, 1e-6, True, True, d**-0.5)
+    assert torch.equal(step, attn)
+    assert torch.equal(step_k, want_k) and torch.equal(step_v, want_v)
 
 
 @pytest.mark.parametrize("advance", [False, True], ids=["prefill", "decode_step"])

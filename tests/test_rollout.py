@@ -178,8 +178,8 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
     from segki_lightning.ops import dispatch
 
     fused = ["linear", "gated_mlp_front", "qkv_proj", "gdn_in_proj", "rms_norm", "add_rms_norm", "decode_attention",
-             "attention_prologue", "gdn_decode_step", "gdn_in_proj_conv", "gdn_recurrent_step", "sample_tokens",
-             "record_tokens"]
+             "attention_prologue", "decode_attention_step", "gdn_decode_step", "gdn_in_proj_conv", "gdn_recurrent_step",
+             "sample_tokens", "record_tokens"]
     launches: list[str] = []
     inside = [0]
 

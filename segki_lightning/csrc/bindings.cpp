@@ -27,6 +27,11 @@ TORCH_LIBRARY(segki, m) {
   m.def("attention_prologue(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor? q_norm_w,"
         " Tensor? k_norm_w, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, float eps,"
         " bool unit_offset, bool gated) -> Tensor");
+  // attention_prologue then decode_attention (gate: the second half of each gated query head), in one launch where
+  // it can
+  m.def("decode_attention_step(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor? q_norm_w,"
+        " Tensor? k_norm_w, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, Tensor lengths, float eps,"
+        " bool unit_offset, bool gated, float scale) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("gdn_decode_step(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor(b!) recurrent_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight,"

@@ -27,7 +27,7 @@ _OPS = {
     "gdn": ("gdn_in_proj_conv", "gdn_recurrent_step", "gdn_in_proj", "gdn_decode_step", "linear"),
     "attention_qkv": ("qkv_proj",),
     "rms_norm": ("rms_norm",),
-    "attention": ("qkv_proj", "attention_prologue", "decode_attention", "linear"),
+    "attention": ("qkv_proj", "decode_attention_step", "attention_prologue", "decode_attention", "linear"),
     "decoder_layer": ("add_rms_norm",),
 }
 

@@ -141,17 +141,15 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     """``x [B, 1, H]`` -> ``[B, 1, H]``; the new key/value land in the caches at ``positions``, attention
     reads ``[0, lengths[b])``. ``norm``: an injected RMSNorm applied to x first, in the QKV projection;
     ``residual [B, 1, H]``: added in the output projection."""
-    bsz, d = x.shape[0], s.head_dim
+    bsz = x.shape[0]
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
     q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias,
                            **norm_prologue(norm))                                              # [B, Hq*D(*2)] ...
     cos, sin = (t.expand(bsz, 1, t.shape[-1]).reshape(bsz, -1) for t in rope_tables)             # [B, R]
     q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
-    query = ops.attention_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset,
-                                   s.gated)                                                       # [B, Hq, D]
-    gate = q.view(bsz, s.num_heads, 2 * d)[..., d:] if s.gated else None                         # [B, Hq, D]
-    out = ops.decode_attention(query, k_cache, v_cache, lengths, s.scaling, gate)                 # [B, Hq, D]
+    out = ops.decode_attention_step(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, lengths, eps,
+                                    unit_offset, s.gated, s.scaling)                              # [B, Hq, D]
     res = residual[:, 0] if residual is not None else None
     return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias, res).view(bsz, 1, -1)
 

@@ -457,6 +457,25 @@ def attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, 
                                         unit_offset, gated)
 
 
+def decode_attention_step(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, lengths, eps: float,
+                          unit_offset: bool, gated: bool, scale: float) -> Tensor:
+    """See :func:`reference.decode_attention_step`: one native op (one launch at few rows and a short cache) where
+    both halves are eligible, else :func:`attention_prologue` and :func:`decode_attention`, each on its own path."""
+    d, r = k_cache.shape[-1], cos.shape[-1]
+    hq, hkv = q.shape[-1] // (2 * d if gated else d), k_cache.shape[1]
+    ok = (d in (64, 128, 256) and r % 2 == 0 and r <= d and positions.dtype == torch.int64 and positions.is_cuda
+          and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None)
+          and q.dim() == k.dim() == v.dim() == 2 and hq % hkv == 0 and hq // hkv <= 8 and lengths.is_cuda)
+    if eligible("decode_attention_step", q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, shape_ok=ok,
+                row_strided=3):
+        return _native("decode_attention_step")(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions,
+                                                lengths, eps, unit_offset, gated, scale)
+    query = attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps, unit_offset,
+                               gated)                                                          # [B, Hq, D]
+    gate = q.view(q.shape[0], hq, 2 * d)[..., d:] if gated else None                            # [B, Hq, D]
+    return decode_attention(query, k_cache, v_cache, lengths, scale, gate)
+
+
 def _recurrence_ok(head_k_dim: int, head_v_dim: int, recurrent_state: Tensor) -> bool:
     """The native GDN recurrence's limits: Dk in {64, 128, 256}, Dv a multiple of 32 up to 256, a contiguous
     fp32 state."""

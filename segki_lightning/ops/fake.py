@@ -65,6 +65,12 @@ def _attn_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps
     return q.new_empty((b, q.shape[-1] // (2 * d if gated else d), d))
 
 
+@torch.library.register_fake("segki::decode_attention_step")
+def _attn_step(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, lengths, eps, unit_offset, gated, scale):
+    b, d = k_cache.shape[0], k_cache.shape[-1]
+    return q.new_empty((b, q.shape[-1] // (2 * d if gated else d), d))
+
+
 @torch.library.register_fake("segki::silu_mul")
 def _silu_mul(gate, up):
     return gate.new_empty(gate.shape)   # contiguous, whatever gate's row stride

@@ -14,6 +14,10 @@ KERNEL_SWITCHES = {
     "SEGKI_ATTN": (("online", "batched"), "batched: decode attention scoring several positions and heads at once; "
                                           "online: one position at a time (unset: batched from 64 rows x KV "
                                           "heads)"),
+    "SEGKI_ATTN_STEP": (("split", "fused"), "split: a decode step's attention as three launches (prologue, "
+                                            "attention, combine) at every size; fused: as one launch wherever it "
+                                            "can run (unset: one launch up to 4 rows x KV heads and 2048 cache "
+                                            "positions)"),
     "SEGKI_GEMV_PIPE": (("0", "1"), "0: the tensor-core GEMV with one stage of weight loads in flight"),
     "SEGKI_GEMV_BULK": (("0", "1"), "1/0: every / no 1-4 row GEMV through the copy engine (unset: by weight size)"),
     "SEGKI_GEMV_BULK_CHUNKS": (tuple("12345678"), "chunks of weight rows per block on the copy-engine path (1)"),

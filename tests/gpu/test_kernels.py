@@ -260,6 +260,54 @@ def test_attention_prologue_reads_column_slices_of_one_product_exactly(shape, ba
     assert torch.equal(caches[0], caches2[0]) and torch.equal(caches[1], caches2[1])
 
 
+@pytest.mark.parametrize("variant", ["fused", None])  # SEGKI_ATTN_STEP; None: one launch by rows x KV heads and cache
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s", [40, 200, 392, 2100])
+@pytest.mark.parametrize("batch", [1, 4, 9])
+@pytest.mark.parametrize("shape", list(PROLOGUE_SHAPES))
+def test_decode_attention_step(shape, batch, s, dtype, variant, monkeypatch):
+    """The step's attention (prologue, attention, gate) against the reference: the new key and value land at each
+    row's position and nowhere else, the output within the attention tolerance. Cache rows past each row's length
+    and the new token's old row hold NaN: the step must read neither (the new token comes from its own prologue).
+    q, k and v are column slices of one product except at 4 rows."""
+    if variant is None:
+        monkeypatch.delenv("SEGKI_ATTN_STEP", raising=False)
+    else:
+        monkeypatch.setenv("SEGKI_ATTN_STEP", variant)
+    hq, hkv, d, r, gated, unit_offset = PROLOGUE_SHAPES[shape]
+    nq = hq * d * (2 if gated else 1)
+    joint = randn(batch, nq + 2 * hkv * d, dtype=dtype)
+    q, k, v = joint.split([nq, hkv * d, hkv * d], dim=1)
+    if batch == 4:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    angles = torch.rand(batch, r // 2, device="cuda") * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    norms = ((randn(d, dtype=dtype, scale=0.3), randn(d, dtype=dtype, scale=0.3)) if unit_offset is not None
+             else (None, None))
+    k_cache, v_cache = randn(batch, hkv, s, d, dtype=dtype), randn(batch, hkv, s, d, dtype=dtype)
+    lengths = torch.randint(1, s + 1, (batch,), device="cuda", dtype=torch.int32)
+    lengths[0] = s
+    positions = lengths.long() - 1
+    for i, n in enumerate(lengths.tolist()):
+        for c in (k_cache, v_cache):
+            c[i, :, n - 1:] = float("nan")
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    tail = (positions, lengths, 1e-6, bool(unit_offset), gated, d**-0.5)
+    want = R.decode_attention_step(q, k, v, cos, sin, *norms, want_k, want_v, *tail)
+    poison((batch, hq, d), dtype=dtype)
+    got = torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, k_cache, v_cache, *tail)
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0, equal_nan=True)  # values are copied
+    rows = torch.arange(batch, device="cuda")
+    written = torch.zeros(batch, s, dtype=torch.bool, device="cuda")
+    written[rows, positions] = True
+    torch.testing.assert_close(k_cache.transpose(1, 2)[~written], want_k.transpose(1, 2)[~written], rtol=0, atol=0,
+                               equal_nan=True)
+    got_k, want_k_new = k_cache[rows, :, positions], want_k[rows, :, positions]
+    assert rel_err(got_k, want_k_new) < TOL[dtype] and (got_k == want_k_new).float().mean() > 0.99
+    assert rel_err(got, want) < TOL[dtype]
+    assert_every_element(got, want, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 64, 300])
 def test_silu_mul_beyond_the_gemv_rows(rows, dtype):

@@ -45,6 +45,19 @@ def attention_prologue(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor
     return q.contiguous()
 
 
+def decode_attention_step(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, q_norm_w: Tensor | None,
+                          k_norm_w: Tensor | None, k_cache: Tensor, v_cache: Tensor, positions: Tensor,
+                          lengths: Tensor, eps: float, unit_offset: bool, gated: bool, scale: float) -> Tensor:
+    """The attention of one decode step from the projections: :func:`attention_prologue` (arguments as there),
+    then :func:`decode_attention` over ``[0, lengths[b])`` with, when ``gated``, the second half of each query
+    head's columns of ``q`` as the gate. Returns ``[B, Hq, D]``."""
+    query = attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps, unit_offset,
+                               gated)                                                          # [B, Hq, D]
+    bsz, hq, d = query.shape
+    gate = q.view(bsz, hq, 2 * d)[..., d:] if gated else None                                   # [B, Hq, D]
+    return decode_attention(query, k_cache, v_cache, lengths, scale, gate)
+
+
 def write_token(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
     """Row b's key and value ``[B, Hkv, D]`` into ``k_cache/v_cache [B, Hkv, S, D]`` at ``positions[b]``."""
     rows = torch.arange(k_cache.shape[0], device=k_cache.device)
