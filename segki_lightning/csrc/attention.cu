@@ -110,10 +110,40 @@ __device__ __forceinline__ void attn_round_batched(const T* kc, const T* vc, siz
   }
 }
 
+// Positions [lo, hi) of a valid prefix: split `split` of `splits` (equal ceil-sized chunks of [0, len)), and warp
+// `warp`'s share of a split (equal ceil-sized parts over `warps`). The partial and the step kernel split alike.
+struct Range {
+  int lo, hi;
+};
+
+__device__ __forceinline__ Range split_range(int len, int split, int splits) {
+  const int chunk = (len + splits - 1) / splits;
+  const int lo = min(len, split * chunk);
+  return {lo, min(len, lo + chunk)};
+}
+
+__device__ __forceinline__ Range warp_range(Range r, int warp, int warps) {
+  const int per_warp = (r.hi - r.lo + warps - 1) / warps;
+  const int lo = min(r.hi, r.lo + warp * per_warp);
+  return {lo, min(r.hi, lo + per_warp)};
+}
+
+// An empty online softmax per head: no maximum, nothing summed.
+template <int MAXG, int E>
+__device__ __forceinline__ void softmax_start(float (&acc)[MAXG][E], float (&m)[MAXG], float (&l)[MAXG]) {
+#pragma unroll
+  for (int h = 0; h < MAXG; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
+  }
+}
+
 // The warp's positions [w0, w1) one at a time into its online softmax (acc, m, l of each of the g heads):
-// scores q . k, then the rescaled sums of v. Position `fresh` (-1: none) takes its key and value rows from
-// shared memory (fresh_k, fresh_v [D], as floats) instead of the cache: the token this launch writes there.
-template <typename T, int E, int MAXG>
+// scores q . k, then the rescaled sums of v. FRESH: position `fresh` takes its key and value rows from shared
+// memory (fresh_k, fresh_v [D], as floats) instead of the cache -- the token this launch writes there.
+template <typename T, int E, int MAXG, bool FRESH = false>
 __device__ __forceinline__ void attend_online(const T* kc, const T* vc, size_t base, int w0, int w1, int g,
                                               const float (&qf)[MAXG][E], float (&acc)[MAXG][E], float (&m)[MAXG],
                                               float (&l)[MAXG], int64_t fresh = -1, const float* fresh_k = nullptr,
@@ -125,7 +155,7 @@ __device__ __forceinline__ void attend_online(const T* kc, const T* vc, size_t b
 #pragma unroll
     for (int i = 0; i < kPos; ++i)
       if (p0 + i < w1) {
-        if (p0 + i == fresh) {
+        if (FRESH && p0 + i == fresh) {
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             kf[i][e] = fresh_k[lane * E + e];
@@ -203,19 +233,13 @@ __global__ void __launch_bounds__(kWarps * 32) attn_partial_kernel(
   constexpr int E = D / 32;
   const int split = blockIdx.x, splits = gridDim.x, kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int len = min(lengths[b], s_max);
-  const int chunk = (len + splits - 1) / splits;
-  const int s0 = min(len, split * chunk), s1 = min(len, s0 + chunk);
-  const int per_warp = (s1 - s0 + kWarps - 1) / kWarps;
-  const int w0 = min(s1, s0 + warp * per_warp), w1 = min(s1, w0 + per_warp);
+  const Range pos = warp_range(split_range(min(lengths[b], s_max), split, splits), warp, kWarps);
+  const int w0 = pos.lo, w1 = pos.hi;
 
   float qf[MAXG][E], acc[MAXG][E], m[MAXG], l[MAXG];
+  softmax_start(acc, m, l);
 #pragma unroll
   for (int h = 0; h < MAXG; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[h][e] = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) qf[h][e] = 0.f;
     if (h < g) {
@@ -417,11 +441,10 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
   const size_t base = ((size_t)b * a.hkv + kvh) * a.s_max * D;
   {  // before the wait: the split's cache rows into L2, by the length as it reads now (a hint: a stale length
      // warms other rows; the rows attended follow the length read after the wait)
-    const int len = min(max(a.lengths[b], 0), a.s_max), chunk = (len + splits - 1) / splits;
-    const int s0 = min(len, split * chunk), s1 = min(len, s0 + chunk);
+    const Range r = split_range(min(max(a.lengths[b], 0), a.s_max), split, splits);
     constexpr int kLines = D * (int)sizeof(T) / 128;  // 128-byte lines per row
-    for (int i = threadIdx.x; i < (s1 - s0) * kLines * 2; i += blockDim.x) {
-      const int row = s0 + i / (2 * kLines), line = i % (2 * kLines);
+    for (int i = threadIdx.x; i < (r.hi - r.lo) * kLines * 2; i += blockDim.x) {
+      const int row = r.lo + i / (2 * kLines), line = i % (2 * kLines);
       const T* cache = line < kLines ? a.kc : a.vc;
       prefetch_l2(cache + base + (size_t)row * D + (line % kLines) * (128 / sizeof(T)));
     }
@@ -463,22 +486,15 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
   }
   __syncthreads();
   // the split, as the partial kernel attends over it
-  const int chunk = (len + splits - 1) / splits;
-  const int s0 = min(len, split * chunk), s1 = min(len, s0 + chunk);
-  const int per_warp = (s1 - s0 + WARPS - 1) / WARPS;
-  const int w0 = min(s1, s0 + warp * per_warp), w1 = min(s1, w0 + per_warp);
+  const Range own = warp_range(split_range(len, split, splits), warp, WARPS);
   float qf[MAXG][E], acc[MAXG][E], m[MAXG], l[MAXG];
+  softmax_start(acc, m, l);
 #pragma unroll
-  for (int h = 0; h < MAXG; ++h) {
-    m[h] = -INFINITY;
-    l[h] = 0.f;
+  for (int h = 0; h < MAXG; ++h)
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      acc[h][e] = 0.f;
-      qf[h][e] = h < g ? sq[h][lane * E + e] : 0.f;
-    }
-  }
-  attend_online<T, E, MAXG>(a.kc, a.vc, base + lane * E, w0, w1, g, qf, acc, m, l, pos, fresh_k, fresh_v);
+    for (int e = 0; e < E; ++e) qf[h][e] = h < g ? sq[h][lane * E + e] : 0.f;
+  attend_online<T, E, MAXG, true>(a.kc, a.vc, base + lane * E, own.lo, own.hi, g, qf, acc, m, l, pos, fresh_k,
+                                  fresh_v);
   parts.put(acc, m, l, g);
   __syncthreads();
   for (int idx = threadIdx.x; idx < g * D; idx += blockDim.x) {  // each thread rewrites only what it read
