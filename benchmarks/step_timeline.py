@@ -1,6 +1,7 @@
-"""Where each block of the skinny products and the GDN recurrences waits inside one replayed decode step: the graph
-is captured while those kernels stamp each block's phases (``segki::timeline_stamps``, ``csrc/timeline.cuh``), then
-replayed once. Per launch (in launch order) and per product shape, the mean time of each phase of a block:
+"""Where each block of the skinny products, the GDN recurrences and the one-launch attention steps waits inside one
+replayed decode step: the graph is captured while those kernels stamp each block's phases (``segki::timeline_stamps``,
+``csrc/timeline.cuh``), then replayed once. Per launch (in launch order) and per product shape, the mean time of
+each phase of a block:
 
     start -> waited (the PDL wait) -> loaded (x's loads landed) -> reduced (the norm's sums; = loaded without
           a norm) -> staged (x in shared memory) -> first (its first unit landed) -> last (its last unit
@@ -16,7 +17,10 @@ The recurrence's rows (``recurrence``: its cluster kernel, which runs where the 
 the SMs; ``conv+recurrence`` where the step's conv runs inside it) use the same columns: waited -> loaded its
 inputs landed (and the conv's outputs computed), -> reduced the delta rule done (its state had landed) and the new
 state's stores issued, -> staged the head's norm sums exchanged through the cluster, staged = first, -> last its
-output (and the conv windows) stored, -> end; it has no gap or dry time.
+output (and the conv windows) stored, -> end; it has no gap or dry time. So do the one-launch attention step's
+(``attention step``): waited -> loaded its prologue done, -> reduced its positions attended, -> staged its split
+merged over its warps, -> first the cluster's barrier passed, -> last its outputs combined and stored, -> end the
+last barrier passed; ``units`` is its positions.
 
 A block places itself in the step by ``%globaltimer`` at its start and end, which ticks every 250 ns on the H200;
 its phases are on the SM clock, converted with the cycles per ns of all the step's blocks together (their clock
@@ -42,8 +46,9 @@ PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "en
 # a record: [launch << 32 | block, SM << 32 | grid, timer at start and end (ns), the SM clock at each phase, cycles
 # waiting for units, cycles in tile ends, units]
 WORDS = 16
-TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")   # kind 0: product, 1: recurrence
-# (a recurrence's k, n, gated, parts and tiles are its Dk, Hv x Dv, conv inside, blocks per value head, value heads)
+TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")   # 0 product, 1 recurrence, 2 attention
+# (a recurrence's k, n, gated, parts and tiles are its Dk, Hv x Dv, conv inside, blocks per value head, value heads;
+# kind 2, the attention step's: D, query heads, gated, splits, KV heads)
 ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
 SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
@@ -70,6 +75,8 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
 
 
 def label(shape: dict) -> str:
+    if shape["kind"] == 2:
+        return f"attention step {shape['rows']}x{shape['tiles']} KV heads x {shape['parts']} splits"
     if shape["kind"] == 1:
         return f"{'conv+' if shape['gated'] else ''}recurrence {shape['rows']}x{shape['tiles']} heads"
     return f"{shape['rows']}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
@@ -195,9 +202,9 @@ def main() -> None:
     args = step_args(__doc__, ["0.8b", "4b"])
     per_model = [stamp_step(name, args.batch) for name in args.models]
     launches, per_shape, per_block = ([r for rows in parts for r in rows] for parts in zip(*per_model))
-    header = (f"# The skinny products' and GDN recurrences' blocks in one replayed decode step (batch {args.batch}; "
-              f"us)\n\nCommand: `python benchmarks/step_timeline.py --out DIR --models {' '.join(args.models)} "
-              f"--batch {args.batch}`")
+    header = (f"# The skinny products', GDN recurrences' and attention steps' blocks in one replayed decode step "
+              f"(batch {args.batch}; us)\n\nCommand: `python benchmarks/step_timeline.py --out DIR --models "
+              f"{' '.join(args.models)} --batch {args.batch}`")
     write_results(args.out, "step_timeline", per_shape, ["model", "shape", "launches", "blocks", *METRICS], header)
     write_results(args.out, "step_timeline_launches", launches,
                   ["model", "launch", "shape", "blocks", "at_us", *METRICS], header)

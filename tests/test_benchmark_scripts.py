@@ -197,3 +197,5 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     assert rows[3]["gap"] == 1.0 and rows[3]["dry"] == 4.0
     with pytest.raises(ValueError, match="no time"):
         tl.blocks_of([rec(7, 0, 3, [0] * 8)])
+    step = dict(launch=10, kind=2, rows=1, k=256, n=8, gated=1, grid=32, parts=16, tiles=2)   # the attention step
+    assert tl.label(step) == "attention step 1x2 KV heads x 16 splits"

@@ -15,6 +15,7 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
+#include "timeline.cuh"
 
 namespace segki {
 namespace {
@@ -423,6 +424,8 @@ struct StepArgs {
   int64_t q_ld, k_ld, v_ld;
   float eps, scale;
   bool unit_offset, gated;
+  unsigned long long* stamps;  // the timeline's buffer (the STAMP instantiation), and this launch's id there
+  int launch_id;
 };
 
 // grid (S, Hkv, B) in clusters of S blocks (the splits of one row's KV head), WARPS warps each. A block runs the
@@ -430,9 +433,12 @@ struct StepArgs {
 // writes the key and value into the cache), attends over its split of [0, len) as the partial kernel does -- the
 // new position from shared memory, never from the cache row this launch writes -- and keeps its merged partials in
 // shared memory. Block `rank` then combines every S-th of the G x D outputs over the cluster's blocks, in split
-// order (the combine kernel's arithmetic), and applies the output gate.
-template <typename T, int D, int MAXG, int WARPS>
+// order (the combine kernel's arithmetic), and applies the output gate. STAMP: the timeline's instantiation
+// (timeline.cuh; thread 0 of each block writes its record).
+template <typename T, int D, int MAXG, int WARPS, bool STAMP>
 __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T> a) {
+  Stamps st{};
+  mark_start<STAMP>(st);
   constexpr int E = D / 32;
   __shared__ float feat[WARPS][D], sq[MAXG][D], fresh_k[D], fresh_v[D], res_m[MAXG], res_l[MAXG];
   __shared__ WarpParts<WARPS, MAXG, D> parts;  // parts.acc[0] becomes the block's merged split
@@ -451,6 +457,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
   }
   pdl_launch_dependents();
   pdl_wait();  // everything below reads what earlier kernels wrote
+  mark<STAMP>(st, kWaited);
   const int len = min(a.lengths[b], a.s_max);
   const int64_t pos = a.positions[b];
   // the prologue: items [0, g) the query heads, item g the key head and its value row
@@ -485,8 +492,9 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
     }
   }
   __syncthreads();
+  mark<STAMP>(st, kLoaded);
   // the split, as the partial kernel attends over it
-  const Range own = warp_range(split_range(len, split, splits), warp, WARPS);
+  const Range mine = split_range(len, split, splits), own = warp_range(mine, warp, WARPS);
   float qf[MAXG][E], acc[MAXG][E], m[MAXG], l[MAXG];
   softmax_start(acc, m, l);
 #pragma unroll
@@ -497,6 +505,7 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
                                   fresh_v);
   parts.put(acc, m, l, g);
   __syncthreads();
+  mark<STAMP>(st, kReduced);
   for (int idx = threadIdx.x; idx < g * D; idx += blockDim.x) {  // each thread rewrites only what it read
     const int h = idx / D, d = idx % D;
     const float3 r = parts.merged(h, d);
@@ -507,8 +516,10 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
     }
   }
   // the combine over the cluster's splits
+  mark<STAMP>(st, kStaged);
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every block's split is in its shared memory
+  mark<STAMP>(st, kFirst);
   const int rank = (int)cluster.block_rank();
   for (int idx = rank * blockDim.x + threadIdx.x; idx < g * D; idx += splits * blockDim.x) {
     const int h = idx / D, d = idx % D;
@@ -530,7 +541,11 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
     }
     a.out[((size_t)b * a.hq + hg) * D + d] = from_float<T>(y);
   }
+  mark<STAMP>(st, kLast);
   cluster.sync();  // no block leaves while another reads its shared memory
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, mine.hi - mine.lo);
+  }
 }
 
 // The batched-softmax partial kernel (with twice the splits) once rows x KV heads reach 64, the per-position
@@ -779,10 +794,15 @@ at::Tensor decode_attention_step(const at::Tensor& q, const at::Tensor& k, const
     auto run = [&](auto d_const, auto g_const) {
       constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
       constexpr int WARPS = GG * DD <= kStepWarpFloats ? 8 : 4;
-      constexpr auto kernel = attn_step_kernel<T, DD, GG, WARPS>;
-      const int splits = std::min(want, max_cluster_blocks<kernel>(dim3(WARPS * 32)));
-      launch_pdl(kernel, dim3(splits, p.hkv, p.bsz), dim3(WARPS * 32), at::cuda::getCurrentCUDAStream(),
-                 dim3(splits, 1, 1), a);
+      constexpr auto plain = attn_step_kernel<T, DD, GG, WARPS, false>;
+      constexpr auto stamping = attn_step_kernel<T, DD, GG, WARPS, true>;  // the timeline's, while it stamps
+      a.stamps = stamp_state().buf;
+      const int splits = std::min(want, a.stamps ? max_cluster_blocks<stamping>(dim3(WARPS * 32))
+                                                 : max_cluster_blocks<plain>(dim3(WARPS * 32)));
+      if (a.stamps) a.launch_id = stamp_launch(kAttentionStep, {p.bsz, p.d, p.hq, gated ? 1 : 0,
+                                                                splits * p.hkv * p.bsz, splits, p.hkv});
+      launch_pdl(a.stamps ? stamping : plain, dim3(splits, p.hkv, p.bsz), dim3(WARPS * 32),
+                 at::cuda::getCurrentCUDAStream(), dim3(splits, 1, 1), a);
     };
     with_group_size(p.d, g, run);
   });

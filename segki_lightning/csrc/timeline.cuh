@@ -1,10 +1,11 @@
 // The decode step's timeline (benchmarks/step_timeline.py): while a stamp buffer is set (segki::timeline_stamps),
-// the skinny product (skinny.cu) and the GDN recurrence at few rows (gdn.cu) launch their stamping instantiations,
+// the skinny product (skinny.cu), the GDN recurrence at few rows (gdn.cu) and the one-launch attention step
+// (attention.cu) launch their stamping instantiations,
 // and one thread of each block writes one record of kStampWords words:
 //   [0] launch id << 32 | block, [1] SM << 32 | grid, [2] [3] %globaltimer at the block's start and end (ns; it
 //   ticks every 250 ns on the H200, too coarse for a block's phases), [4 .. 4 + kPhases) the SM clock (%clock64)
 //   at each Phase, [12] cycles waiting for a unit to land after the first, [13] cycles in the tile ends before the
-//   last unit's, [14] the block's units.
+//   last unit's, [14] the block's units (the attention step: its split's positions).
 // Buffer: [0] records written, [1] room for records, records from word kStampWords on. Other launches run the
 // instantiations without stamps, whose code is the same as without this file.
 #pragma once
@@ -20,7 +21,10 @@ namespace segki {
 // norm's sums reduced (= loaded without a norm), x staged, the first unit landed, the last unit multiplied, its
 // end. The recurrence: its start, the wait's return, its inputs landed (with the conv inside: and its outputs
 // computed), the delta rule done (its state landed) and the new state's stores issued, the head's norm sums
-// exchanged through the cluster (staged and first alike), its output and windows stored, its end.
+// exchanged through the cluster (staged and first alike), its output and windows stored, its end. The attention
+// step: its start, the wait's return, the prologue done (query heads and the new key in shared memory), its
+// positions attended (every warp), its split merged over its warps, the cluster's splits all merged (the cluster
+// barrier passed), its share of the outputs combined and stored, its end (the last cluster barrier passed).
 enum Phase { kStart, kWaited, kLoaded, kReduced, kStaged, kFirst, kLast, kEnd, kPhases };
 constexpr int kStampWords = 16;
 
@@ -61,8 +65,9 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
   const unsigned long long i = atomicAdd(buf, 1ull);
   if (i >= buf[1]) return;  // full: the record is dropped (the count still says how many came)
   unsigned long long* r = buf + kStampWords * (i + 1);
-  r[0] = ((unsigned long long)(unsigned)launch_id << 32) | (blockIdx.y * gridDim.x + blockIdx.x);
-  r[1] = ((unsigned long long)sm_id() << 32) | (gridDim.x * gridDim.y);
+  const unsigned block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  r[0] = ((unsigned long long)(unsigned)launch_id << 32) | block;
+  r[1] = ((unsigned long long)sm_id() << 32) | (gridDim.x * gridDim.y * gridDim.z);
   r[2] = st.global_start;
   r[3] = st.global_end;
 #pragma unroll
@@ -76,8 +81,9 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
 // The host side: the buffer later launches stamp into (null: none), and the launches made since the last
 // timeline_stamps call, kStampTableCols numbers each: launch id, kind, then what the kind's launch was --
 // the skinny product: rows of x, K, output columns, gated, grid, parts of K, tiles; the recurrence: rows, Dk,
-// value heads x Dv, 1 with the conv inside (else 0), grid, blocks per value head, value heads.
-enum StampKind : int64_t { kSkinnyProduct = 0, kGdnRecurrence = 1 };
+// value heads x Dv, 1 with the conv inside (else 0), grid, blocks per value head, value heads; the attention
+// step: rows, D, query heads, 1 when gated (else 0), grid, splits (blocks per cluster), KV heads.
+enum StampKind : int64_t { kSkinnyProduct = 0, kGdnRecurrence = 1, kAttentionStep = 2 };
 constexpr int kStampTableCols = 9;
 
 struct StampState {

@@ -597,6 +597,48 @@ def test_stamping_recurrence_records_every_block_and_changes_no_bit(batch):
     assert int(buf[0]) == count
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_stamping_attention_step_records_every_block_and_changes_no_bit(batch, monkeypatch):
+    """While the timeline's buffer is set, the one-launch attention step writes one record per block (kind 2 in the
+    launch table, with its rows, D, query heads, gate, grid, splits and KV heads; the SM clock in phase order; each
+    block's positions, which add up to every row's length per KV head) and gives the plain launch's output and cache
+    bits; once unset, nothing more is written."""
+    monkeypatch.setenv("SEGKI_ATTN_STEP", "fused")
+    hq, hkv, d, r, gated, unit_offset = PROLOGUE_SHAPES["08b"]
+    s, nq = 392, hq * d * 2
+    q, k, v = randn(batch, nq, dtype=torch.bfloat16), randn(batch, hkv * d, dtype=torch.bfloat16), randn(
+        batch, hkv * d, dtype=torch.bfloat16)
+    angles = torch.rand(batch, r // 2, device="cuda") * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    norms = (randn(d, dtype=torch.bfloat16, scale=0.3), randn(d, dtype=torch.bfloat16, scale=0.3))
+    caches = [randn(batch, hkv, s, d, dtype=torch.bfloat16) for _ in range(2)]
+    caches2 = [c.clone() for c in caches]
+    lengths = torch.randint(1, s + 1, (batch,), device="cuda", dtype=torch.int32)
+    tail = (lengths.long() - 1, lengths, 1e-6, True, gated, d**-0.5)
+    plain = torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, *caches, *tail)
+    room, words, phases = 512, 16, 8
+    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
+    buf[1] = room
+    torch.ops.segki.timeline_stamps(buf, True)
+    stamped = torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, *caches2, *tail)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert torch.equal(stamped, plain) and torch.equal(caches2[0], caches[0]) and torch.equal(caches2[1], caches[1])
+    assert table.shape == (1, 9)
+    launch, kind, rows, dim, heads, gate, grid, splits, kv_heads = table[0].tolist()
+    assert (kind, rows, dim, heads, gate, kv_heads) == (2, batch, d, hq, 1, hkv) and grid == splits * hkv * batch
+    count = int(buf[0])
+    assert count == grid
+    rec = buf[words:words * (count + 1)].view(count, words).cpu()
+    assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid)) and ((rec[:, 0] >> 32) == launch).all()
+    clock = rec[:, 4:4 + phases]
+    assert (clock[:, 1:] >= clock[:, :-1]).all() and (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] > 0).all()
+    assert rec[:, 6 + phases].sum().item() == hkv * lengths.sum().item()
+    torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, *caches2, *tail)
+    torch.cuda.synchronize()
+    assert int(buf[0]) == count
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [17, 32, 300])
 def test_silu_mul_reads_the_halves_of_one_product_exactly(rows, dtype):
