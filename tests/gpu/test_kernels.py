@@ -548,15 +548,35 @@ def test_the_gdn_step_runs_its_conv_inside_where_a_cluster_holds_a_key_heads_blo
     monkeypatch.delenv("SEGKI_GDN_CONV", raising=False)
     hk, hv, dk, dv = GDN_SHAPES[shape]
     g = gdn_inputs(1, hk, hv, dk, dv, torch.bfloat16)
-    room, words = 512, 16
-    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
-    buf[1] = room
+    buf = stamp_buffer()
     torch.ops.segki.timeline_stamps(buf, True)
     torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
     table = torch.ops.segki.timeline_stamps(buf, False)
     torch.cuda.synchronize()
     assert table.shape == (1, 9) and table[0, 1].item() == 1       # one launch stamped: the recurrence
     assert table[0, 5].item() == (0 if shape == "odd" else 1)   # launch, kind, rows, Dk, Hv x Dv, conv
+
+
+STAMP_WORDS, STAMP_PHASES = 16, 8  # csrc/timeline.cuh: words per record, phases per block
+
+
+def stamp_buffer(room: int = 512):
+    """A timeline buffer: header (records written, room), then room for `room` records."""
+    buf = torch.zeros(STAMP_WORDS * (room + 1), dtype=torch.int64, device="cuda")
+    buf[1] = room
+    return buf
+
+
+def stamped_records(buf, launch: int, grid: int):
+    """The records of one stamped launch of `grid` blocks, checked: one per block, each with the launch's id, the SM
+    clock in phase order and a timer span."""
+    count = int(buf[0])
+    assert count == grid
+    rec = buf[STAMP_WORDS:STAMP_WORDS * (count + 1)].view(count, STAMP_WORDS).cpu()
+    assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid)) and ((rec[:, 0] >> 32) == launch).all()
+    clock = rec[:, 4:4 + STAMP_PHASES]
+    assert (clock[:, 1:] >= clock[:, :-1]).all() and (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] > 0).all()
+    return rec
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -573,9 +593,7 @@ def test_stamping_recurrence_records_every_block_and_changes_no_bit(batch):
                                                   g["norm_weight"], 1e-6, hk, dk, dv)
 
     plain = step(rec_plain)
-    room, words, phases = 512, 16, 8
-    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
-    buf[1] = room
+    buf = stamp_buffer()
     torch.ops.segki.timeline_stamps(buf, True)
     stamped = step(rec_stamped)
     table = torch.ops.segki.timeline_stamps(buf, False)
@@ -585,16 +603,11 @@ def test_stamping_recurrence_records_every_block_and_changes_no_bit(batch):
     launch, kind, rows, k, n, gated, grid, per_head, heads = table[0].tolist()
     assert (kind, rows, k, n, gated, per_head, heads) == (1, batch, dk, hv * dv, 0, dv // 32, hv)
     assert grid == batch * hv * (dv // 32)
-    count = int(buf[0])
-    assert count == grid
-    rec = buf[words:words * (count + 1)].view(count, words).cpu()
-    assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid)) and ((rec[:, 0] >> 32) == launch).all()
-    clock = rec[:, 4:4 + phases]
-    assert (clock[:, 1:] >= clock[:, :-1]).all() and (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] > 0).all()
-    assert (rec[:, 6 + phases] == 1).all()
+    rec = stamped_records(buf, launch, grid)
+    assert (rec[:, 6 + STAMP_PHASES] == 1).all()
     step(g["recurrent_state"].clone())
     torch.cuda.synchronize()
-    assert int(buf[0]) == count
+    assert int(buf[0]) == grid
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -616,9 +629,7 @@ def test_stamping_attention_step_records_every_block_and_changes_no_bit(batch, m
     lengths = torch.randint(1, s + 1, (batch,), device="cuda", dtype=torch.int32)
     tail = (lengths.long() - 1, lengths, 1e-6, True, gated, d**-0.5)
     plain = torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, *caches, *tail)
-    room, words, phases = 512, 16, 8
-    buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
-    buf[1] = room
+    buf = stamp_buffer()
     torch.ops.segki.timeline_stamps(buf, True)
     stamped = torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, *caches2, *tail)
     table = torch.ops.segki.timeline_stamps(buf, False)
@@ -627,16 +638,11 @@ def test_stamping_attention_step_records_every_block_and_changes_no_bit(batch, m
     assert table.shape == (1, 9)
     launch, kind, rows, dim, heads, gate, grid, splits, kv_heads = table[0].tolist()
     assert (kind, rows, dim, heads, gate, kv_heads) == (2, batch, d, hq, 1, hkv) and grid == splits * hkv * batch
-    count = int(buf[0])
-    assert count == grid
-    rec = buf[words:words * (count + 1)].view(count, words).cpu()
-    assert sorted((rec[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid)) and ((rec[:, 0] >> 32) == launch).all()
-    clock = rec[:, 4:4 + phases]
-    assert (clock[:, 1:] >= clock[:, :-1]).all() and (rec[:, 3] >= rec[:, 2]).all() and (rec[:, 2] > 0).all()
-    assert rec[:, 6 + phases].sum().item() == hkv * lengths.sum().item()
+    rec = stamped_records(buf, launch, grid)
+    assert rec[:, 6 + STAMP_PHASES].sum().item() == hkv * lengths.sum().item()
     torch.ops.segki.decode_attention_step(q, k, v, cos, sin, *norms, *caches2, *tail)
     torch.cuda.synchronize()
-    assert int(buf[0]) == count
+    assert int(buf[0]) == grid
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
