@@ -10,8 +10,8 @@ from .sampling import record_tokens, sample_tokens, uniform_noise
 from .timeline import timeline_stamps
 
 __all__ = [
-    "add_rms_norm", "attention_prologue", "decode_attention", "decode_attention_step", "gated_mlp_front", "gated_rms_norm",
-    "gdn_chunked", "gdn_conv_step", "gdn_decode_step", "gdn_gates", "gdn_in_proj", "gdn_in_proj_conv",
+    "add_rms_norm", "attention_prologue", "decode_attention", "decode_attention_step", "gated_mlp_front",
+    "gated_rms_norm", "gdn_chunked", "gdn_conv_step", "gdn_decode_step", "gdn_gates", "gdn_in_proj", "gdn_in_proj_conv",
     "gdn_recurrence", "gdn_recurrent_step", "l2norm", "linear", "qkv_proj", "record_tokens", "rms_norm", "rope",
     "sample_tokens", "silu_mul", "skinny_linear", "timeline_stamps", "uniform_noise", "valid_mask", "write_token",
 ]
