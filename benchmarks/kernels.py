@@ -9,7 +9,9 @@ the packed weights).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,7 +25,8 @@ from segki_lightning.ops.dispatch import native_rows  # noqa: E402
 from segki_lightning.ops.extension import native_ops  # noqa: E402
 
 DT = torch.bfloat16
-GROUPS = ("proj", "small", "attention")  # GEMV family | norm, prologue, GDN, sampling | decode attention
+# GEMV family | norm, prologue, GDN, sampling | decode attention | a step's attention in one launch and in three
+GROUPS = ("proj", "small", "attention", "step")
 L2_BYTES = 60e6
 MODELS = {  # hidden, intermediate, (Hk, Hv, Dk, Dv), (Hq, Hkv, D), vocab
     "4b": (2560, 9216, (16, 32, 128, 128), (16, 4, 256), 248320),
@@ -122,6 +125,41 @@ def bench_attention_prologue(model, batch, bw):
                graph_time_us([lambda: R.attention_prologue(*a)]), bw)
 
 
+@contextmanager
+def kernel_switch(name: str, value: str):
+    """The kernel switch set while the block runs (the native ops read it at each call, so a graph captured inside
+    takes that path), then restored."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+def bench_attention_step(model, batch, valid, cache, bw):
+    """One decode step's attention from the projections (prologue, attention, output gate; Qwen3.5: gated,
+    R = D / 4) at ``valid`` positions of a ``cache``-position cache: as one launch (``us``, forced where the size rule
+    would not take it) and as three (``split_us``), to find the valid length where one launch stops paying."""
+    _, _, _, (hq, hkv, d), _ = MODELS[model]
+    r = d // 4
+    q, k, v = rand(batch, 2 * hq * d), rand(batch, hkv * d), rand(batch, hkv * d)
+    cos, sin, qw, kw = rand(batch, r), rand(batch, r), rand(d, scale=0.3), rand(d, scale=0.3)
+    kc, vc = rand(batch, hkv, cache, d), rand(batch, hkv, cache, d)
+    lengths = torch.full((batch,), valid, device="cuda", dtype=torch.int32)
+    a = (q, k, v, cos, sin, qw, kw, kc, vc, lengths.long() - 1, lengths, 1e-6, True, True, d**-0.5)
+    moved = batch * 2 * valid * hkv * d * 2 + nbytes(q, k, v) + batch * hq * d * 2
+    us = {}
+    for path in ("fused", "split"):
+        with kernel_switch("SEGKI_ATTN_STEP", path):
+            us[path] = graph_time_us([lambda: torch.ops.segki.decode_attention_step(*a)])
+    return row(model, f"decode_attention_step {valid} valid / {cache} cache", batch, moved, us["fused"],
+               graph_time_us([lambda: R.decode_attention_step(*a)], calls=8), bw, split_us=round(us["split"], 2))
+
+
 # the multi-weight projections: dispatch entry point, reference, op name (for the native row limit)
 PACKED = {2: (ops.gated_mlp_front, R.gated_mlp_front, "gated_mlp_front"),
           3: (ops.qkv_proj, R.qkv_proj, "qkv_proj"), 4: (ops.gdn_in_proj, R.gdn_in_proj, "gdn_in_proj")}
@@ -182,7 +220,8 @@ def main() -> None:
     ap.add_argument("--attn-valid", nargs="+", type=int, default=None,
                     help="decode attention (at each of --batches) at these valid lengths in a cache of "
                          "--attn-cache positions (default: 8k and 32k valid in 8k and 32k caches, and 512 valid in "
-                         "a 32k cache)")
+                         "a 32k cache; the step group: 128 and 392 valid in a 392-position cache, 1k, 2k and 4k "
+                         "valid in caches of their size)")
     ap.add_argument("--attn-cache", type=int, default=32768, help="cache positions for --attn-valid")
     args = ap.parse_args()
     if args.attn_valid and not all(0 <= n <= args.attn_cache for n in args.attn_valid):
@@ -213,9 +252,15 @@ def main() -> None:
                          else [(8192, 32768), (8192, 8192), (32768, 32768), (512, 32768)])
                 for valid, cache in pairs:
                     rows.append(bench_attention(model, batch, valid, cache, bw))
+            if "step" in on:
+                pairs = ([(n, args.attn_cache) for n in args.attn_valid] if args.attn_valid
+                         else [(128, 392), (392, 392), (1024, 1024), (2048, 2048), (4096, 4096)])
+                for valid, cache in pairs:
+                    rows.append(bench_attention_step(model, batch, valid, cache, bw))
+                    print(rows[-1], flush=True)
     for r in rows:
         r["copy_gbps"] = round(bw, 1)
-    cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup"]
+    cols = ["model", "kernel", "batch", "mbytes", "us", "gbps", "pct_copy", "torch_us", "speedup", "split_us"]
     header = (f"# Kernel benchmark (bf16, CUDA-graph replays, median)\n\nCopy bandwidth {bw:.0f} GB/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}). `torch_us` is the PyTorch "
               "composition the kernel replaces (the reference ops: cuBLAS + elementwise).\n\n"
