@@ -679,12 +679,12 @@ const T* ptr_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? reinterpret_cast<const T*>(t->data_ptr()) : nullptr;
 }
 
-at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                              const at::Tensor& sin, const c10::optional<at::Tensor>& q_w,
-                              const c10::optional<at::Tensor>& k_w, at::Tensor k_cache, at::Tensor v_cache,
-                              const at::Tensor& positions, double eps, bool unit_offset, bool gated) {
-  const char* op = "segki::attention_prologue";
-  const PrologueShape p = check_prologue(op, q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, gated);
+// The prologue kernel on checked operands; returns the query [B, Hq, D].
+at::Tensor launch_prologue(const char* op, const PrologueShape& p, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                           const c10::optional<at::Tensor>& q_w, const c10::optional<at::Tensor>& k_w,
+                           at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& positions, double eps,
+                           bool unit_offset) {
   auto query = at::empty({p.bsz, p.hq, p.d}, q.options());
   if (p.bsz == 0) return query;
   c10::cuda::CUDAGuard guard(q.device());
@@ -705,6 +705,15 @@ at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at
   return query;
 }
 
+at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                              const at::Tensor& sin, const c10::optional<at::Tensor>& q_w,
+                              const c10::optional<at::Tensor>& k_w, at::Tensor k_cache, at::Tensor v_cache,
+                              const at::Tensor& positions, double eps, bool unit_offset, bool gated) {
+  const char* op = "segki::attention_prologue";
+  const PrologueShape p = check_prologue(op, q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, gated);
+  return launch_prologue(op, p, q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset);
+}
+
 // The step in one launch where its clusters (rows x KV heads) are at most kStepRowHeads and the cache holds at
 // most kStepMaxCache positions. Measured on the H200 (`benchmarks/results/attn_step/`, 392-position cache, decode
 // tok/s against the three launches): 0.8B one row (2 clusters) +1.9 %, 4B one row (4) +0.8 %; 0.8B at 4 rows (8)
@@ -721,8 +730,7 @@ constexpr int kStepWarpFloats = 1024;  // MAXG x D per warp up to which a block 
 template <auto kernel>
 int max_cluster_blocks(dim3 block) {
   static std::atomic<uint64_t> known{0}, large{0};  // bit d: device d asked / takes 16
-  const int dev = c10::cuda::current_device();
-  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
+  const uint64_t bit = device_bit();
   if (bit == 0) return 8;
   if ((known.load(std::memory_order_relaxed) & bit) == 0) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
@@ -763,7 +771,7 @@ at::Tensor decode_attention_step(const at::Tensor& q, const at::Tensor& k, const
               op, ": lengths must be a CUDA int32/int64 tensor [", p.bsz, "]");
   if (!step_in_one_launch(p.bsz * p.hkv, p.s_max, lengths)) {
     const at::Tensor query =
-        attention_prologue(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset, gated);
+        launch_prologue(op, p, q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, eps, unit_offset);
     c10::optional<at::Tensor> gate;  // the second half of each query head's columns, read in place
     if (gated) gate = q.as_strided({p.bsz, p.hq, p.d}, {p.q_ld, p.qw, 1}, q.storage_offset() + p.d);
     return decode_attention(query, k_cache, v_cache, lengths, scale, gate);

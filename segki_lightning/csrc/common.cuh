@@ -302,13 +302,18 @@ __device__ __forceinline__ void pdl_start() {
   pdl_wait();
 }
 
-// Lets `kernel` take up to `bytes` of dynamic shared memory on the current device. The attribute belongs to the
-// kernel as loaded on one device, so it is set once per device a process launches on, not once per process.
+// The current device's bit in a per-device set of flags (0 past the first 64 devices: never recorded). A kernel's
+// attributes belong to it as loaded on one device, so they are set once per device a process launches on.
+inline uint64_t device_bit() {
+  const int dev = c10::cuda::current_device();
+  return dev < 64 ? 1ull << dev : 0;
+}
+
+// Lets `kernel` take up to `bytes` of dynamic shared memory on the current device.
 template <auto kernel>
 void allow_dynamic_smem(int bytes) {
   static std::atomic<uint64_t> done{0};  // bit d: set on device d
-  const int dev = c10::cuda::current_device();
-  const uint64_t bit = dev < 64 ? 1ull << dev : 0;
+  const uint64_t bit = device_bit();
   if (bit != 0 && (done.load(std::memory_order_relaxed) & bit) != 0) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
   done.fetch_or(bit, std::memory_order_relaxed);

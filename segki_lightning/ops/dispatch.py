@@ -442,13 +442,19 @@ def decode_attention(q, k_cache, v_cache, lengths, scale: float, gate: Tensor | 
     return reference.decode_attention(q, k_cache, v_cache, lengths, scale, gate)
 
 
+def _prologue_ok(q, k, v, cos, q_norm_w, k_norm_w, k_cache, positions) -> bool:
+    """The native attention prologue's shape limits: D in {64, 128, 256}, an even rotary width up to D, contiguous
+    CUDA int64 positions, both q/k norms or neither, 2-D projections."""
+    d, r = k_cache.shape[-1], cos.shape[-1]
+    return (d in (64, 128, 256) and r % 2 == 0 and r <= d and positions.dtype == torch.int64 and positions.is_cuda
+            and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None)
+            and q.dim() == k.dim() == v.dim() == 2)
+
+
 def attention_prologue(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions, eps: float,
                        unit_offset: bool, gated: bool) -> Tensor:
     """See :func:`reference.attention_prologue`; ``q``, ``k``, ``v`` may be column slices of one product."""
-    d, r = k_cache.shape[-1], cos.shape[-1]
-    ok = (d in (64, 128, 256) and r % 2 == 0 and r <= d and positions.dtype == torch.int64 and positions.is_cuda
-          and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None)
-          and q.dim() == k.dim() == v.dim() == 2)
+    ok = _prologue_ok(q, k, v, cos, q_norm_w, k_norm_w, k_cache, positions)
     if eligible("attention_prologue", q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, shape_ok=ok,
                 row_strided=3):
         return _native("attention_prologue")(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions,
@@ -461,11 +467,10 @@ def decode_attention_step(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cach
                           unit_offset: bool, gated: bool, scale: float) -> Tensor:
     """See :func:`reference.decode_attention_step`: one native op (one launch at few rows and a short cache) where
     both halves are eligible, else :func:`attention_prologue` and :func:`decode_attention`, each on its own path."""
-    d, r = k_cache.shape[-1], cos.shape[-1]
-    hq, hkv = q.shape[-1] // (2 * d if gated else d), k_cache.shape[1]
-    ok = (d in (64, 128, 256) and r % 2 == 0 and r <= d and positions.dtype == torch.int64 and positions.is_cuda
-          and positions.is_contiguous() and (q_norm_w is None) == (k_norm_w is None)
-          and q.dim() == k.dim() == v.dim() == 2 and hq % hkv == 0 and hq // hkv <= 8 and lengths.is_cuda)
+    d, hkv = k_cache.shape[-1], k_cache.shape[1]
+    hq = q.shape[-1] // (2 * d if gated else d)
+    ok = (_prologue_ok(q, k, v, cos, q_norm_w, k_norm_w, k_cache, positions) and hq % hkv == 0 and hq // hkv <= 8
+          and lengths.is_cuda)
     if eligible("decode_attention_step", q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, shape_ok=ok,
                 row_strided=3):
         return _native("decode_attention_step")(q, k, v, cos, sin, q_norm_w, k_norm_w, k_cache, v_cache, positions,
