@@ -8,8 +8,11 @@ each phase of a block:
           multiplied) -> end (the last tile's sums and stores)
 
 and, inside first -> last, ``unit_wait`` (waiting for units to land: the copies are behind) and ``tile_ends`` (the
-tile sums of all but the last tile); the rest is multiplying. Per SM, ``gap`` (this block's start after the
-previous product block on the same SM ended: the launch hand-over, or the kernels between two products) and
+tile sums of all but the last tile); the rest is multiplying. ``landed`` is when its last unit had landed (seen by
+its producer warp), after the PDL wait (negative: before it), and ``landed_last`` how long after that the last unit
+was multiplied: near one unit's multiply, the copies pace the product; far more, the consumers. Per SM, ``gap``
+(this block's start after the previous product block on the same SM ended: the launch hand-over, or the kernels
+between two products) and
 ``dry`` (the previous block's end to this block's first unit: how long the SM's weight stream stood still);
 ``end_spread`` is the last block's end after the median block's.
 
@@ -44,7 +47,7 @@ from common import captured_step, step_args, write_results  # noqa: E402
 
 PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "end")
 # a record: [launch << 32 | block, SM << 32 | grid, timer at start and end (ns), the SM clock at each phase, cycles
-# waiting for units, cycles in tile ends, units]
+# waiting for units, cycles in tile ends, units, the SM clock when its last unit had landed (products; else 0)]
 WORDS = 16
 TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")   # 0 product, 1 recurrence, 2 attention
 # (a recurrence's k, n, gated, parts and tiles are its Dk, Hv x Dv, conv inside, blocks per value head, value heads;
@@ -52,7 +55,8 @@ TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles") 
 ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
 SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
-METRICS = ["span_us", *STEPS, *SUMS, "gap_us", "dry_us", "end_spread_us"]  # per launch, averaged per shape
+LANDED = ["landed_us", "landed_last_us"]  # products: the last unit landed after the wait; last multiplied after that
+METRICS = ["span_us", *STEPS, *SUMS, *LANDED, "gap_us", "dry_us", "end_spread_us"]  # per launch, mean per shape
 
 
 def blocks_of(words: list[list[int]]) -> list[dict]:
@@ -68,8 +72,9 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
     out = []
     for w in words:
         clock = w[4:4 + n]
+        at = lambda c: (w[2] + (c - clock[0]) / per_ns) / 1e3  # noqa: E731  (the clock on the timer's scale, us)
         out.append(dict(launch=w[0] >> 32, block=w[0] & 0xFFFFFFFF, sm=w[1] >> 32, grid=w[1] & 0xFFFFFFFF,
-                        **{p: (w[2] + (c - clock[0]) / per_ns) / 1e3 for p, c in zip(PHASES, clock)},
+                        **{p: at(c) for p, c in zip(PHASES, clock)}, landed=at(w[7 + n]) if w[7 + n] else None,
                         unit_wait_us=w[4 + n] / per_ns / 1e3, tile_ends_us=w[5 + n] / per_ns / 1e3, units=w[6 + n]))
     return out
 
@@ -112,6 +117,9 @@ def launch_row(lid: int, shape: dict, bs: list[dict], t0: float) -> dict:
         row[step] = round(statistics.fmean(b[z] - b[a] for b in bs), 2)
     for key in SUMS:
         row[key] = round(statistics.fmean(b[key] for b in bs), 2)
+    landed = [b for b in bs if b["landed"] is not None]
+    row["landed_us"] = round(statistics.fmean(b["landed"] - b["waited"] for b in landed), 2) if landed else None
+    row["landed_last_us"] = round(statistics.fmean(b["last"] - b["landed"] for b in landed), 2) if landed else None
     for key in ("gap", "dry"):
         vals = [b[key] for b in bs if b[key] is not None]
         row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None
@@ -149,14 +157,15 @@ def summarize(blocks: list[dict], table: list[dict]) -> tuple[list[dict], list[d
 
 
 def block_rows(blocks: list[dict], table: list[dict]) -> list[dict]:
-    """Each block as a row for the per-block file: its launch's shape, its phases in us from the step's first
-    block's start (3 decimals), its sums, gap and dry time."""
+    """Each block as a row for the per-block file: its launch's shape, its phases and its last unit's landing in us
+    from the step's first block's start (3 decimals), its sums, gap and dry time."""
     shapes = {t["launch"]: label(t) for t in table}
     blocks, t0 = known(blocks, table)
     rows = []
     for b in blocks:
         row = dict(launch=b["launch"], shape=shapes[b["launch"]], block=b["block"], sm=b["sm"])
         row.update({p: round(b[p] - t0, 3) for p in PHASES})
+        row["landed"] = round(b["landed"] - t0, 3) if b["landed"] is not None else None
         row.update({k: (round(b[k], 3) if b.get(k) is not None else None)
                     for k in ("unit_wait_us", "tile_ends_us", "gap", "dry")}, units=b["units"])
         rows.append(row)

@@ -156,19 +156,20 @@ def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
 def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     """Two product launches of two blocks on SMs 3 and 5 with a recurrence block between them on SM 3: each
     phase's mean (the SM clock at 2 cycles per ns, each SM's counter at its own offset), the sums inside first ->
-    last, the span, the end spread, and against the previous product block on the same SM (the recurrence's is
-    not one) the gap to this block's start and the dry time to its first unit."""
+    last, when the last unit landed (after the wait, and before it was multiplied; none where not stamped), the
+    span, the end spread, and against the previous product block on the same SM (the recurrence's is not one) the
+    gap to this block's start and the dry time to its first unit."""
     tl = load_script("step_timeline")
     ns, per_ns = 1000, 2   # times below in us; stamps in ns and cycles
 
-    def rec(launch, block, sm, times, unit_wait=0, tile_ends=0, units=1):
-        clock = [sm * 10**9 + t * ns * per_ns for t in times]
-        return [launch << 32 | block, sm << 32 | 2, times[0] * ns, times[-1] * ns, *clock,
-                unit_wait * ns * per_ns, tile_ends * ns * per_ns, units, 0]
+    def rec(launch, block, sm, times, unit_wait=0, tile_ends=0, units=1, landed=None):
+        at = lambda t: sm * 10**9 + t * ns * per_ns  # noqa: E731
+        return [launch << 32 | block, sm << 32 | 2, times[0] * ns, times[-1] * ns, *map(at, times),
+                unit_wait * ns * per_ns, tile_ends * ns * per_ns, units, 0 if landed is None else at(landed)]
 
     # phases: start, waited, loaded, reduced, staged, first, last, end
-    words = [rec(7, 0, 3, [0, 1, 1.5, 2, 2, 4, 8, 9], unit_wait=1, units=3),
-             rec(7, 1, 5, [1, 1, 2, 2.5, 3, 4, 9, 11], unit_wait=2, tile_ends=1, units=5),
+    words = [rec(7, 0, 3, [0, 1, 1.5, 2, 2, 4, 8, 9], unit_wait=1, units=3, landed=3),
+             rec(7, 1, 5, [1, 1, 2, 2.5, 3, 4, 9, 11], unit_wait=2, tile_ends=1, units=5, landed=0.5),
              rec(9, 0, 3, [9, 9.5, 9.5, 9.5, 9.5, 9.5, 9.5, 9.75]),      # the recurrence, on SM 3 at 9-9.75
              rec(8, 0, 3, [10, 10, 11, 11, 12, 13, 14, 15]), rec(8, 1, 5, [12, 12, 12.5, 12.5, 13, 15, 16, 16]),
              rec(99, 0, 3, [0] * 8)]          # a launch the table does not know: left out
@@ -187,6 +188,8 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     assert first["reduced_staged"] == 0.25 and first["staged_first"] == 1.5
     assert first["first_last"] == 4.5 and first["last_end"] == 1.5
     assert first["unit_wait_us"] == 1.5 and first["tile_ends_us"] == 0.5 and first["units"] == 4
+    assert first["landed_us"] == 0.75 and first["landed_last_us"] == 6.75   # 2 and -0.5 after the wait; 5 and 8.5
+    assert second["landed_us"] is None and second["landed_last_us"] is None
     assert first["gap_us"] is None and first["dry_us"] is None              # nothing before on those SMs
     assert second["gap_us"] == 1.0 and second["dry_us"] == 4.0              # SM 3: 9 -> 10 (13); SM 5: 11 -> 12 (15)
     assert [r["shape"] for r in per_shape] == ["1x2048->1024", "recurrence 1x16 heads", "1x1024->3584 gated"]
@@ -194,6 +197,7 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     rows = tl.block_rows(blocks, table)                                     # every known block, from t0
     assert len(rows) == 5 and rows[1]["shape"] == "1x2048->1024" and rows[1]["waited"] == 1.0
     assert rows[1]["unit_wait_us"] == 2.0 and rows[1]["units"] == 5 and rows[2]["gap"] is None
+    assert rows[0]["landed"] == 3.0 and rows[1]["landed"] == 0.5 and rows[2]["landed"] is None
     assert rows[3]["gap"] == 1.0 and rows[3]["dry"] == 4.0
     with pytest.raises(ValueError, match="no time"):
         tl.blocks_of([rec(7, 0, 3, [0] * 8)])

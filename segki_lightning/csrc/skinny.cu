@@ -279,6 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
   __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
+  __shared__ unsigned long long landed;  // STAMP only: the clock when the block's last unit had landed
   T* ring = reinterpret_cast<T*>(skinny_smem);
   const size_t slot_elems = (size_t)kTile * (a.kp + kPad);
   T* xs = ring + a.slots * slot_elems;
@@ -300,6 +301,12 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       const int c = u - u0, slot = c % a.slots;
       if (c >= a.slots) mbar_wait(&empty[slot], (unsigned)(c / a.slots - 1) & 1u);
       issue_unit<GATED>(a, u, ring + slot * slot_elems, &full[slot]);
+    }
+    if constexpr (STAMP) {  // when the copies, not the consumers, were done: the last unit's barrier completing
+      const int c = u1 - 1 - u0;
+      mbar_wait(&full[c % a.slots], (unsigned)(c / a.slots) & 1u);
+      if (threadIdx.x == kConsumers) landed = clock64();
+      asm volatile("bar.arrive 2, %0;" ::"n"(kThreads) : "memory");  // read by thread 0 at the block's end
     }
     return;
   }
@@ -344,7 +351,8 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     }
   }
   if constexpr (STAMP) {
-    if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, u1 - u0);
+    asm volatile("bar.sync 2, %0;" ::"n"(kThreads) : "memory");  // the producer has stamped `landed`
+    if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, u1 - u0, landed);
   }
 }
 

@@ -5,7 +5,8 @@
 //   [0] launch id << 32 | block, [1] SM << 32 | grid, [2] [3] %globaltimer at the block's start and end (ns; it
 //   ticks every 250 ns on the H200, too coarse for a block's phases), [4 .. 4 + kPhases) the SM clock (%clock64)
 //   at each Phase, [12] cycles waiting for a unit to land after the first, [13] cycles in the tile ends before the
-//   last unit's, [14] the block's units (the attention step: its split's positions).
+//   last unit's, [14] the block's units (the attention step: its split's positions), [15] the SM clock when the
+//   block's last unit had landed, as its producer warp saw it (the skinny product; 0 elsewhere).
 // Buffer: [0] records written, [1] room for records, records from word kStampWords on. Other launches run the
 // instantiations without stamps, whose code is the same as without this file.
 #pragma once
@@ -59,7 +60,8 @@ __device__ __forceinline__ void mark_start(Stamps& st) {
   }
 }
 
-__device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch_id, Stamps& st, int units) {
+__device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch_id, Stamps& st, int units,
+                                             unsigned long long landed = 0) {
   st.clock[kEnd] = clock64();
   st.global_end = global_ns();
   const unsigned long long i = atomicAdd(buf, 1ull);
@@ -75,7 +77,7 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
   r[4 + kPhases] = st.unit_wait;
   r[5 + kPhases] = st.tile_ends;
   r[6 + kPhases] = (unsigned long long)units;
-  r[7 + kPhases] = 0;
+  r[7 + kPhases] = landed;
 }
 
 // The host side: the buffer later launches stamp into (null: none), and the launches made since the last

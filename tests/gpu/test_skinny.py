@@ -189,8 +189,9 @@ def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
 def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit():
     """While a stamp buffer is set, each block writes one record (launch id, block, SM, grid, its timer span, the SM
     clock at eight phases in order, the cycles waiting for units and in tile ends inside its first -> last, its
-    units: all of them together the launch's) and the launch table names the launch's shape; the outputs are the
-    plain launch's bits; once unset, no launch writes."""
+    units: all of them together the launch's; the clock when its last unit had landed, within its span) and the
+    launch table names the launch's shape; the outputs are the plain launch's bits; once unset, no launch
+    writes."""
     n, k, _ = SHAPES["split_tiles"]
     x, w = randn(3, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     plain = torch.ops.segki.skinny_linear(x, w)
@@ -216,6 +217,8 @@ def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit()
     first_last = clock[:, 6] - clock[:, 5]                                               # first unit -> last
     assert (rec[:, 4 + phases] + rec[:, 5 + phases] <= first_last).all()
     assert int(rec[:, 6 + phases].sum()) == tiles * parts and (rec[:, 6 + phases] > 0).all()
+    landed = rec[:, 7 + phases]                                                          # seen by the producer warp
+    assert ((landed > clock[:, 0]) & (landed <= clock[:, 7])).all()
     torch.ops.segki.skinny_linear(x, w)
     torch.cuda.synchronize()
     assert int(buf[0]) == count
