@@ -72,7 +72,10 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
     out = []
     for w in words:
         clock = w[4:4 + n]
-        at = lambda c: (w[2] + (c - clock[0]) / per_ns) / 1e3  # noqa: E731  (the clock on the timer's scale, us)
+
+        def at(c: int) -> float:  # the clock on the timer's scale, us (used within this record's iteration)
+            return (w[2] + (c - clock[0]) / per_ns) / 1e3
+
         out.append(dict(launch=w[0] >> 32, block=w[0] & 0xFFFFFFFF, sm=w[1] >> 32, grid=w[1] & 0xFFFFFFFF,
                         **{p: at(c) for p, c in zip(PHASES, clock)}, landed=at(w[7 + n]) if w[7 + n] else None,
                         unit_wait_us=w[4 + n] / per_ns / 1e3, tile_ends_us=w[5 + n] / per_ns / 1e3, units=w[6 + n]))
@@ -118,8 +121,8 @@ def launch_row(lid: int, shape: dict, bs: list[dict], t0: float) -> dict:
     for key in SUMS:
         row[key] = round(statistics.fmean(b[key] for b in bs), 2)
     landed = [b for b in bs if b["landed"] is not None]
-    row["landed_us"] = round(statistics.fmean(b["landed"] - b["waited"] for b in landed), 2) if landed else None
-    row["landed_last_us"] = round(statistics.fmean(b["last"] - b["landed"] for b in landed), 2) if landed else None
+    for key, a, z in (("landed_us", "waited", "landed"), ("landed_last_us", "landed", "last")):
+        row[key] = round(statistics.fmean(b[z] - b[a] for b in landed), 2) if landed else None
     for key in ("gap", "dry"):
         vals = [b[key] for b in bs if b[key] is not None]
         row[f"{key}_us"] = round(statistics.fmean(vals), 2) if vals else None

@@ -163,7 +163,9 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     ns, per_ns = 1000, 2   # times below in us; stamps in ns and cycles
 
     def rec(launch, block, sm, times, unit_wait=0, tile_ends=0, units=1, landed=None):
-        at = lambda t: sm * 10**9 + t * ns * per_ns  # noqa: E731
+        def at(t):
+            return sm * 10**9 + t * ns * per_ns
+
         return [launch << 32 | block, sm << 32 | 2, times[0] * ns, times[-1] * ns, *map(at, times),
                 unit_wait * ns * per_ns, tile_ends * ns * per_ns, units, 0 if landed is None else at(landed)]
 

@@ -133,6 +133,11 @@ __device__ __forceinline__ float warps_sum(float (*red)[kMaxRows][kRedStride], i
 // A barrier of the consumer warps only (the producer warp never joins it).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
+// The stamping instantiation's end: the producer warp arrives once it has stamped `landed`, the consumer warps
+// wait for it before thread 0 writes the record (named barrier 2: 0 is __syncthreads, 1 consumers_sync).
+__device__ __forceinline__ void landed_arrive() { asm volatile("bar.arrive 2, %0;" ::"n"(kThreads) : "memory"); }
+__device__ __forceinline__ void landed_wait() { asm volatile("bar.sync 2, %0;" ::"n"(kThreads) : "memory"); }
+
 struct ConsumersSync {
   __device__ __forceinline__ void operator()() const { consumers_sync(); }
 };
@@ -306,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       const int c = u1 - 1 - u0;
       mbar_wait(&full[c % a.slots], (unsigned)(c / a.slots) & 1u);
       if (threadIdx.x == kConsumers) landed = clock64();
-      asm volatile("bar.arrive 2, %0;" ::"n"(kThreads) : "memory");  // read by thread 0 at the block's end
+      landed_arrive();
     }
     return;
   }
@@ -351,7 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     }
   }
   if constexpr (STAMP) {
-    asm volatile("bar.sync 2, %0;" ::"n"(kThreads) : "memory");  // the producer has stamped `landed`
+    landed_wait();
     if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, u1 - u0, landed);
   }
 }
