@@ -73,15 +73,17 @@ __device__ __forceinline__ int tile_row(const SkinnyArgs<T>& a, int t, int r) {
   else return t * kTile + r;
 }
 
-// The producer warp: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`.
+// The producer warp: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`, evicted first
+// from L2 (`policy`: the weights are read once a step).
 template <bool GATED, typename T>
-__device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int u, T* slot, uint64_t* bar) {
+__device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int u, T* slot, uint64_t* bar, uint64_t policy) {
   const int lane = threadIdx.x & 31, t = u / a.parts, p = u - t * a.parts;
   if (lane == 0) mbar_expect(bar, (unsigned)(kTile * a.kp * sizeof(T)));
   __syncwarp();
   if (lane < kTile)
-    bulk_load(slot + (size_t)lane * (a.kp + kPad), a.w + (size_t)tile_row<GATED>(a, t, lane) * a.k + (size_t)p * a.kp,
-              (unsigned)(a.kp * sizeof(T)), bar);
+    bulk_load_hinted(slot + (size_t)lane * (a.kp + kPad),
+                     a.w + (size_t)tile_row<GATED>(a, t, lane) * a.k + (size_t)p * a.kp, (unsigned)(a.kp * sizeof(T)),
+                     bar, policy);
 }
 
 // acc[j] += this warp's columns of the unit in `slot` (part p of K) times x rows 8j..8j+7.
@@ -302,10 +304,11 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   __syncthreads();  // the barriers are initialized before anyone uses them
   if (warp == kWarps) {  // the producer: weights only, so its first copies go out before the PDL wait
     pdl_launch_dependents();
+    const uint64_t policy = l2_evict_first();
     for (int u = u0; u < u1; ++u) {
       const int c = u - u0, slot = c % a.slots;
       if (c >= a.slots) mbar_wait(&empty[slot], (unsigned)(c / a.slots - 1) & 1u);
-      issue_unit<GATED>(a, u, ring + slot * slot_elems, &full[slot]);
+      issue_unit<GATED>(a, u, ring + slot * slot_elems, &full[slot], policy);
     }
     if constexpr (STAMP) {  // when the copies, not the consumers, were done: the last unit's barrier completing
       const int c = u1 - 1 - u0;
