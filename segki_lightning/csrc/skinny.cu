@@ -19,6 +19,11 @@
 // rows, so each output's gate and up sums meet in one thread: out = silu(round(gate)) * round(up), as the
 // reference (two products rounded, then the fp32 epilogue) computes it.
 //
+// The consumers pace a one-row product (results/landed/): each warp runs its ~200 instructions a unit back to back,
+// two warps to a scheduler, so what pays is fewer instructions between units. The unit cursor (no divisions on the
+// way from one unit to the next) and, at one row group, red's halves in turn (one barrier a tile end, not two):
+// 0.8B decode b=1 +5.9 %, b=4 +5.5 %, 4B b=1 +5.4 % (results/unit_cursor/).
+//
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
 // (results/skinny/run6_fold_ring/).
@@ -76,8 +81,9 @@ __device__ __forceinline__ int tile_row(const SkinnyArgs<T>& a, int t, int r) {
 // The producer warp: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`, evicted first
 // from L2 (`policy`: the weights are read once a step).
 template <bool GATED, typename T>
-__device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int u, T* slot, uint64_t* bar, uint64_t policy) {
-  const int lane = threadIdx.x & 31, t = u / a.parts, p = u - t * a.parts;
+__device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int t, int p, T* slot, uint64_t* bar,
+                                           uint64_t policy) {
+  const int lane = threadIdx.x & 31;
   if (lane == 0) mbar_expect(bar, (unsigned)(kTile * a.kp * sizeof(T)));
   __syncwarp();
   if (lane < kTile)
@@ -85,6 +91,18 @@ __device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int u, T* slo
                      a.w + (size_t)tile_row<GATED>(a, t, lane) * a.k + (size_t)p * a.kp, (unsigned)(a.kp * sizeof(T)),
                      bar, policy);
 }
+
+// Where a block is in its units: the slot and its phase parity, the tile and the part of K, advanced by adding
+// (no divisions by the launch's slots and parts on the way from one unit to the next).
+struct UnitCursor {
+  int slot = 0, t = 0, p = 0;
+  unsigned phase = 0;
+  __device__ __forceinline__ UnitCursor(int u0, int parts) : t(u0 / parts), p(u0 - u0 / parts * parts) {}
+  __device__ __forceinline__ void next(int slots, int parts) {
+    if (++slot == slots) slot = 0, phase ^= 1u;
+    if (++p == parts) p = 0, ++t;
+  }
+};
 
 // acc[j] += this warp's columns of the unit in `slot` (part p of K) times x rows 8j..8j+7.
 template <typename T, int NB>
@@ -305,10 +323,10 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   if (warp == kWarps) {  // the producer: weights only, so its first copies go out before the PDL wait
     pdl_launch_dependents();
     const uint64_t policy = l2_evict_first();
-    for (int u = u0; u < u1; ++u) {
-      const int c = u - u0, slot = c % a.slots;
-      if (c >= a.slots) mbar_wait(&empty[slot], (unsigned)(c / a.slots - 1) & 1u);
-      issue_unit<GATED>(a, u, ring + slot * slot_elems, &full[slot], policy);
+    UnitCursor at(u0, a.parts);
+    for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
+      if (u - u0 >= a.slots) mbar_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's previous round consumed
+      issue_unit<GATED>(a, at.t, at.p, ring + at.slot * slot_elems, &full[at.slot], policy);
     }
     if constexpr (STAMP) {  // when the copies, not the consumers, were done: the last unit's barrier completing
       const int c = u1 - 1 - u0;
@@ -332,25 +350,31 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
   unsigned long long t0 = 0;  // STAMP only
-  for (int u = u0; u < u1; ++u) {
-    const int c = u - u0, slot = c % a.slots, t = u / a.parts, p = u - t * a.parts;
+  UnitCursor at(u0, a.parts);
+  const int head_tile = at.p != 0 ? at.t : -1;  // the tile the block starts inside, if it does
+  // At one row group a tile's sums take half of red (x rows 0-7), so consecutive tiles use the halves in turn: a
+  // warp stashes into a half only after the barrier of the tile between, which every warp passes after reading it.
+  bool upper = false;
+  for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
     if constexpr (STAMP) t0 = clock64();
-    mbar_wait(&full[slot], (unsigned)(c / a.slots) & 1u);
+    mbar_wait(&full[at.slot], at.phase);
     if constexpr (STAMP) {
-      if (c == 0) mark<STAMP>(st, kFirst);
+      if (u == u0) mark<STAMP>(st, kFirst);
       else st.unit_wait += clock64() - t0;
     }
-    mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.k, a.kp, p, acc);
+    mma_unit<T, NB>(ring + at.slot * slot_elems, xs, a.m, a.k, a.kp, at.p, acc);
     if (u == u1 - 1) mark<STAMP>(st, kLast);
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);  // this warp is done with the slot
-    if (p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[at.slot]);  // this warp is done with the slot
+    if (at.p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
       if constexpr (STAMP) t0 = clock64();
-      stash<NB>(acc, red);
+      float(*sums)[kMaxRows][kRedStride] =
+          upper ? reinterpret_cast<float(*)[kMaxRows][kRedStride]>(&red[0][8][0]) : red;
+      stash<NB>(acc, sums);
       consumers_sync();
-      const bool head = u0 % a.parts != 0 && t == u0 / a.parts;
-      finish_tile<T, GATED>(a, t, head, p != a.parts - 1, red);
-      consumers_sync();  // red is read before the next tile's sums go in
+      finish_tile<T, GATED>(a, at.t, at.t == head_tile, at.p != a.parts - 1, sums);
+      if constexpr (NB == 1) upper = !upper;
+      else consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
       if constexpr (STAMP) {
