@@ -22,7 +22,7 @@
 // The consumers pace a one-row product (results/landed/): each warp runs its ~200 instructions a unit back to back,
 // two warps to a scheduler, so what pays is fewer instructions between units. The unit cursor (no divisions on the
 // way from one unit to the next) and, at one row group, red's halves in turn (one barrier a tile end, not two):
-// 0.8B decode b=1 +5.9 %, b=4 +5.5 %, 4B b=1 +5.4 % (results/unit_cursor/).
+// 0.8B decode b=1 +5.7 %, b=4 +5.5 %, 4B b=1 +5.4 % (results/unit_cursor/).
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
