@@ -91,8 +91,7 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
 }
 
 // bulk_load with an L2 policy (from l2_evict_first()).
-__device__ __forceinline__ void bulk_load_hinted(void* dst, const void* src, unsigned bytes, uint64_t* bar,
-                                                 uint64_t policy) {
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, uint64_t* bar, uint64_t policy) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"

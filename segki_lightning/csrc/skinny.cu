@@ -87,9 +87,8 @@ __device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int t, int p,
   if (lane == 0) mbar_expect(bar, (unsigned)(kTile * a.kp * sizeof(T)));
   __syncwarp();
   if (lane < kTile)
-    bulk_load_hinted(slot + (size_t)lane * (a.kp + kPad),
-                     a.w + (size_t)tile_row<GATED>(a, t, lane) * a.k + (size_t)p * a.kp, (unsigned)(a.kp * sizeof(T)),
-                     bar, policy);
+    bulk_load(slot + (size_t)lane * (a.kp + kPad), a.w + (size_t)tile_row<GATED>(a, t, lane) * a.k + (size_t)p * a.kp,
+              (unsigned)(a.kp * sizeof(T)), bar, policy);
 }
 
 // Where a block is in its units: the slot and its phase parity, the tile and the part of K, advanced by adding
@@ -97,7 +96,7 @@ __device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int t, int p,
 struct UnitCursor {
   int slot = 0, t = 0, p = 0;
   unsigned phase = 0;
-  __device__ __forceinline__ UnitCursor(int u0, int parts) : t(u0 / parts), p(u0 - u0 / parts * parts) {}
+  __device__ __forceinline__ UnitCursor(int u0, int parts) : t(u0 / parts), p(u0 % parts) {}
   __device__ __forceinline__ void next(int slots, int parts) {
     if (++slot == slots) slot = 0, phase ^= 1u;
     if (++p == parts) p = 0, ++t;
