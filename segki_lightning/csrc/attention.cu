@@ -414,6 +414,7 @@ __global__ void __launch_bounds__(kWarps * 32) attn_prologue_kernel(
 }
 
 // ---- the step in one launch. The arguments of attn_step_kernel: those of the prologue and of the attention.
+constexpr int kStepMaxSplits = 16;  // blocks per cluster where the device takes 16 (max_cluster_blocks)
 template <typename T>
 struct StepArgs {
   const T *q, *k, *v, *cos, *sin, *q_w, *k_w;  // q_w / k_w: nullptr without q/k norms
@@ -465,6 +466,12 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
     const bool is_q = item < g;
     const T* src = is_q ? a.q + (size_t)b * a.q_ld + (size_t)(kvh * g + item) * a.qw
                         : a.k + (size_t)b * a.k_ld + (size_t)kvh * D;
+    T vv[E];  // a key head's value row, requested with its key (not a round trip after the norm and RoPE)
+    if (!is_q) {
+      const T* vr = a.v + (size_t)b * a.v_ld + (size_t)kvh * D;
+#pragma unroll
+      for (int e = 0; e < E; ++e) vv[e] = vr[lane * E + e];
+    }
     float f[E];
     head_prologue<T, D>(src, is_q ? a.q_w : a.k_w, a.cos + (size_t)b * a.r, a.sin + (size_t)b * a.r, a.r, a.eps,
                         a.unit_offset, feat[warp], f);
@@ -473,10 +480,6 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
       for (int e = 0; e < E; ++e) sq[item][lane * E + e] = f[e] * a.scale;  // the stored query, scaled
       continue;
     }
-    const T* vr = a.v + (size_t)b * a.v_ld + (size_t)kvh * D;
-    T vv[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) vv[e] = vr[lane * E + e];
 #pragma unroll
     for (int e = 0; e < E; ++e) {  // f is rounded to T: the cache's values exactly
       fresh_k[lane * E + e] = f[e];
@@ -515,7 +518,8 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
       res_l[h] = r.y;
     }
   }
-  // the combine over the cluster's splits
+  // the combine over the cluster's splits: each thread requests every split's m, l and partial value at once, not
+  // in turn (with the value row read beside its key above: 0.8B decode b=1 +1.0 %, 4B +0.5 %, results/next_l2/)
   mark<STAMP>(st, kStaged);
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every block's split is in its shared memory
@@ -523,15 +527,26 @@ __global__ void __launch_bounds__(WARPS * 32) attn_step_kernel(const StepArgs<T>
   const int rank = (int)cluster.block_rank();
   for (int idx = rank * blockDim.x + threadIdx.x; idx < g * D; idx += splits * blockDim.x) {
     const int h = idx / D, d = idx % D;
+    float ms[kStepMaxSplits], ls[kStepMaxSplits], ps[kStepMaxSplits];  // every split's, requested at once
+#pragma unroll
+    for (int s = 0; s < kStepMaxSplits; ++s) {
+      if (s < splits) {
+        ms[s] = *cluster.map_shared_rank(&res_m[h], s);
+        ls[s] = *cluster.map_shared_rank(&res_l[h], s);
+        ps[s] = *cluster.map_shared_rank(&parts.acc[0][h][d], s);
+      }
+    }
     float mm = -INFINITY;
-    for (int s = 0; s < splits; ++s) mm = fmaxf(mm, *cluster.map_shared_rank(&res_m[h], s));
+#pragma unroll
+    for (int s = 0; s < kStepMaxSplits; ++s)
+      if (s < splits) mm = fmaxf(mm, ms[s]);
     float ll = 0.f, aa = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float ms = *cluster.map_shared_rank(&res_m[h], s);
-      if (ms == -INFINITY) continue;
-      const float c = __expf(ms - mm);
-      ll += *cluster.map_shared_rank(&res_l[h], s) * c;
-      aa += *cluster.map_shared_rank(&parts.acc[0][h][d], s) * c;
+#pragma unroll
+    for (int s = 0; s < kStepMaxSplits; ++s) {
+      if (s >= splits || ms[s] == -INFINITY) continue;
+      const float c = __expf(ms[s] - mm);
+      ll += ls[s] * c;
+      aa += ps[s] * c;
     }
     const int hg = kvh * g + h;
     float y = aa / ll;
@@ -721,7 +736,6 @@ at::Tensor attention_prologue(const at::Tensor& q, const at::Tensor& k, const at
 // SEGKI_ATTN_STEP=split / fused: always three launches / one wherever it can run (int32 lengths).
 constexpr int kStepRowHeads = 4;
 constexpr int kStepMaxCache = 2048;
-constexpr int kStepMaxSplits = 16;  // blocks per cluster where the device takes 16 (max_cluster_blocks)
 constexpr int kStepMinChunk = 16;   // cache positions per split, at least
 constexpr int kStepWarpFloats = 1024;  // MAXG x D per warp up to which a block has 8 warps (else 4: shared memory)
 
