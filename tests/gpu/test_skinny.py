@@ -78,6 +78,25 @@ def test_skinny_residual_is_the_separate_add_of_the_rounded_product(rows, dtype)
     assert torch.equal(got, torch.ops.segki.skinny_linear(x, w) + res)
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("shape", ["4b_gate_up", "4b_down", "08b_gate_up", "08b_o_proj", "split_tiles", "split_gated",
+                                   "many_parts", "few_tiles"])
+def test_one_row_is_bit_for_bit_the_first_row_of_two(shape, residual):
+    """A row's outputs do not depend on the other rows of x: one row alone gives the bits of the first row of two
+    (the same products and sums, whatever a one-row launch does differently). The shapes cover blocks of more than
+    8 tiles (4b_gate_up), tiles split between blocks and single-tile blocks."""
+    n, k, gated = SHAPES[shape]
+    if gated and residual:
+        pytest.skip("the gated product takes no residual")
+    x, w = randn(2, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    res = randn(2, n, dtype=torch.bfloat16) if residual else None
+    two = torch.ops.segki.skinny_linear(x, w, res, gated)
+    poison((1, n // 2 if gated else n), dtype=torch.bfloat16)
+    one = torch.ops.segki.skinny_linear(x[:1].clone(), w, None if res is None else res[:1].clone(), gated)
+    assert torch.equal(one, two[:1])
+    assert rel_err(one, want(x[:1], w, gated, None if res is None else res[:1])) < TOL[torch.bfloat16]
+
+
 NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "many_parts"]
 
 
