@@ -225,8 +225,8 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_norms_inside_the_projections_decode_exactly_like_the_separate_norms(tmp_path, monkeypatch, dtype):
-    """Where the MLP front takes norm2 inside its launch (``ops.folds_norm``, forced here: on a GPU the 0.8B shapes
-    at 1-2 rows), a decode step moves the first residual add into the mixer's output projection and hands both
+    """Where the MLP front takes norm2 inside its launch (``ops.folds_norm``, forced here: on a GPU the skinny product
+    at 1-8 rows), a decode step moves the first residual add into the mixer's output projection and hands both
     norms to the projections after them, with no norm op of its own. The same roundings in the same order: tokens
     and log-probs equal the separate norms' exactly, on the GDN and the attention layers."""
     from segki_lightning import ops

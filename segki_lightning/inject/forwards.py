@@ -326,7 +326,7 @@ def _mixer_decode_call(self: nn.Module, s: LayerSpec, x: Tensor, mixer_kwargs: d
 
 def _decode_layer(self: nn.Module, s: LayerSpec, x: Tensor, mixer_step: functools.partial) -> Tensor:
     """A decode step of the layer, ``x [B, 1, H]``: norm1 inside the mixer's input projection. Where the MLP
-    front takes norm2 inside its launch too (:func:`ops.folds_norm`: the 0.8B shapes at 1-2 rows), the first
+    front takes norm2 inside its launch too (:func:`ops.folds_norm`: the skinny product at 1-8 rows), the first
     residual add moves into the mixer's output projection, so that no launch is left between the projections;
     elsewhere norm2 stays fused with that add. The same roundings either way (the projection rounded, then the
     sum rounded)."""
