@@ -197,8 +197,9 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
 
     class Kernels(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside[0] and not func.is_view and func.overloadpacket.__name__ not in ("detach", "lift_fresh", "_unsafe_view"):
-                launches.append(f"aten.{func.overloadpacket.__name__}")
+            name = func.overloadpacket.__name__
+            if not inside[0] and not func.is_view and name not in ("detach", "lift_fresh", "_unsafe_view"):
+                launches.append(f"aten.{name}")
             return func(*args, **(kwargs or {}))
 
     def per_step(layers: int) -> list[str]:
