@@ -22,7 +22,10 @@
 // The consumers pace a one-row product (results/landed/): each warp runs its ~200 instructions a unit back to back,
 // two warps to a scheduler, so what pays is fewer instructions between units. The unit cursor (no divisions on the
 // way from one unit to the next) and, at one row group, red's halves in turn (one barrier a tile end, not two):
-// 0.8B decode b=1 +5.7 %, b=4 +5.5 %, 4B b=1 +5.4 % (results/unit_cursor/).
+// 0.8B decode b=1 +5.7 %, b=4 +5.5 %, 4B b=1 +5.4 % (results/unit_cursor/). What a launch's code weighs counts
+// too: one row of x has an instantiation of its own, with one x staging (1592 SASS instructions instead of 5320),
+// and the kernels that run between its launches got faster with it: 0.8B b=1 +8.2 %, 4B b=1 +2.5 %
+// (results/one_row_kernel/). ldmatrix fragments (no register moves in the mma loop) did not pay there.
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
@@ -225,7 +228,8 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 }
 
 // x [m, K] into shared memory (rows K + kPad apart) for the block's life, normalized when the launch has a norm.
-template <typename T, int NB, bool STAMP>
+// MAXM: the most rows the kernel takes (1, 8 or 16), so a one-row kernel holds one staging, not four.
+template <typename T, int MAXM, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
                                         Stamps& st) {
   if (a.norm_w == nullptr) {
@@ -237,12 +241,15 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
     mark<STAMP>(st, kReduced);
     return;
   }
-  if constexpr (NB == 1) {  // sums for the rows there are (rounded up to 1, 2, 4), not for 8
-    if (a.m == 1) return stage_normed<T, 1, STAMP>(a, xs, scratch, w0, w1, st);
+  if constexpr (MAXM == 1) {
+    stage_normed<T, 1, STAMP>(a, xs, scratch, w0, w1, st);
+  } else if constexpr (MAXM == 8) {  // sums for the rows there are (rounded up to 2, 4), not for 8
     if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, w1, st);
     if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, w1, st);
+    stage_normed<T, 8, STAMP>(a, xs, scratch, w0, w1, st);
+  } else {
+    stage_normed<T, 16, STAMP>(a, xs, scratch, w0, w1, st);
   }
-  stage_normed<T, NB * 8, STAMP>(a, xs, scratch, w0, w1, st);
 }
 
 __device__ __forceinline__ void publish(int* flag) {
@@ -296,8 +303,9 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
   }
 }
 
-template <typename T, int NB, bool GATED, bool STAMP>
+template <typename T, int MAXM, bool GATED, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
+  constexpr int NB = (MAXM + 7) / 8;  // mma N-groups of 8 rows of x
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
   mark_start<STAMP>(st);
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
@@ -344,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   pdl_wait();
   mark<STAMP>(st, kWaited);
   // red is free until the first tile ends
-  stage_x<T, NB, STAMP>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
+  stage_x<T, MAXM, STAMP>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
@@ -450,9 +458,9 @@ Workspace workspace() {
 // measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A
 // grid capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B
 // 357.2 -> 351.1; 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
-template <typename T, int NB, bool GATED>
+template <typename T, int MAXM, bool GATED>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  constexpr auto kernel = skinny_kernel<T, NB, GATED, false>;
+  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, false>;
   allow_dynamic_smem<kernel>(kSmemBytes);
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
@@ -465,7 +473,7 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
                     a);
     return;
   }
-  constexpr auto stamped = skinny_kernel<T, NB, GATED, true>;
+  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, true>;
   allow_dynamic_smem<stamped>(kSmemBytes);
   SkinnyArgs<T> s = a;
   s.stamps = stamps.buf;
@@ -527,11 +535,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.tiles = (int)(w.size(0) / kTile);
     a.slots = plan.slots;
     if (gated) {
-      if (m <= 8) launch<T, 1, true>(a, plan);
-      else launch<T, 2, true>(a, plan);
+      if (m == 1) launch<T, 1, true>(a, plan);
+      else if (m <= 8) launch<T, 8, true>(a, plan);
+      else launch<T, 16, true>(a, plan);
     } else {
-      if (m <= 8) launch<T, 1, false>(a, plan);
-      else launch<T, 2, false>(a, plan);
+      if (m == 1) launch<T, 1, false>(a, plan);
+      else if (m <= 8) launch<T, 8, false>(a, plan);
+      else launch<T, 16, false>(a, plan);
     }
   });
   return out;
