@@ -1,7 +1,8 @@
 // Skinny products for 1-16 rows of x: out = x . W^T, every weight element read once. Measured on the H200
 // (results/skinny/): at 1-8 rows faster than the GEMVs and cuBLAS on most Qwen3.5 projections alone (0.8B 1.0-1.65x,
-// 4B 0.96-1.28x the better of the two) and more so inside the decode step; at 16 rows cuBLAS is faster on the 4B
-// K = 2560 shapes (77-80 % of copy bandwidth against 65-75 %), so dispatch routes 1-8 rows here.
+// 4B 0.96-1.28x the better of the two) and more so inside the decode step. At 16 rows alone it is now even with
+// cuBLAS or ahead on the 4B K = 2560 shapes (gate|up 84.5 against 79.2 % of copy bandwidth), but routed there the
+// decode step lost (4B b=16 -6.5 %, results/row_kernels/), so dispatch routes 1-8 rows here.
 //
 // One block per SM, resident for the whole product. The work is a list of units (a 16-row weight tile x one part
 // of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization). Each unit is
@@ -25,7 +26,8 @@
 // 0.8B decode b=1 +5.7 %, b=4 +5.5 %, 4B b=1 +5.4 % (results/unit_cursor/). What a launch's code weighs counts
 // too: one row of x has an instantiation of its own, with one x staging (1592 SASS instructions instead of 5320),
 // and the kernels that run between its launches got faster with it: 0.8B b=1 +8.2 %, 4B b=1 +2.5 %
-// (results/one_row_kernel/). ldmatrix fragments (no register moves in the mma loop) did not pay there.
+// (results/one_row_kernel/); so do 2, 3-4 and 5-8 rows (1896-2824 instead of 4736): 0.8B b=2 +5.5 %, b=4 / b=8
+// +2.0 %, 4B within 1 % (results/row_kernels/). ldmatrix fragments (no register moves in the mma loop) did not pay.
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
@@ -228,7 +230,7 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 }
 
 // x [m, K] into shared memory (rows K + kPad apart) for the block's life, normalized when the launch has a norm.
-// MAXM: the most rows the kernel takes (1, 8 or 16), so a one-row kernel holds one staging, not four.
+// MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel holds the one staging it runs.
 template <typename T, int MAXM, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
                                         Stamps& st) {
@@ -241,15 +243,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*s
     mark<STAMP>(st, kReduced);
     return;
   }
-  if constexpr (MAXM == 1) {
-    stage_normed<T, 1, STAMP>(a, xs, scratch, w0, w1, st);
-  } else if constexpr (MAXM == 8) {  // sums for the rows there are (rounded up to 2, 4), not for 8
-    if (a.m == 2) return stage_normed<T, 2, STAMP>(a, xs, scratch, w0, w1, st);
-    if (a.m <= 4) return stage_normed<T, 4, STAMP>(a, xs, scratch, w0, w1, st);
-    stage_normed<T, 8, STAMP>(a, xs, scratch, w0, w1, st);
-  } else {
-    stage_normed<T, 16, STAMP>(a, xs, scratch, w0, w1, st);
-  }
+  stage_normed<T, MAXM, STAMP>(a, xs, scratch, w0, w1, st);  // sums for the rows there are (rounded up)
 }
 
 __device__ __forceinline__ void publish(int* flag) {
@@ -487,6 +481,8 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
 template <typename T, bool GATED>
 void launch_rows(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   if (a.m == 1) launch<T, 1, GATED>(a, plan);
+  else if (a.m == 2) launch<T, 2, GATED>(a, plan);
+  else if (a.m <= 4) launch<T, 4, GATED>(a, plan);
   else if (a.m <= 8) launch<T, 8, GATED>(a, plan);
   else launch<T, 16, GATED>(a, plan);
 }

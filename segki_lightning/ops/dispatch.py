@@ -65,9 +65,11 @@ FOLD_ROWS = 2
 # though at one row it gives up the 0.8B conv epilogue. It runs the norm before it in its x staging (folds_norm):
 # against SEGKI_FOLD_NORM=0 in one run (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. The
 # GDN conv in its epilogue lost twice and was removed (run9_ab, run10_conv_ahead: 0.8B b=1 -3.8 % with the windows
-# read at each tile end, -2.6 % with them read ahead). At 16 rows cuBLAS is faster on the 4B K = 2560 shapes
-# (77-80 % of copy bandwidth against 65-75 %; 4B b=16 4218.9 -> 4107.0 with it), hence the row limit. It holds x
-# in shared memory for the whole product, so its rule (skinny_fits) also bounds rows x K.
+# read at each tile end, -2.6 % with them read ahead). Past 8 rows the decode step loses with it although the
+# product alone is even with cuBLAS or ahead there (benchmarks/results/row_kernels/: 4B gate|up at 16 rows 26.6 us
+# against 28.4 with the SiLU-mul; 4B b=16 4175 -> 3906 tok/s and 0.8B 11 367 -> 11 179 routed up to 16 rows; so
+# did x in registers at 9-16 rows, 4B b=16 -15 %), hence the row limit. It holds x in shared memory for the whole
+# product, so its rule (skinny_fits) also bounds rows x K.
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 8

@@ -27,7 +27,7 @@ SHAPES = {
     "08b_o_proj": (1024, 2048, False), "many_parts": (16 * 8, 9216, False), "many_parts_gated": (16 * 8, 9216, True),
     "split_tiles": (16 * 200, 2560, False), "split_gated": (16 * 200, 2560, True), "few_tiles": (16 * 5, 512, False),
 }
-ROWS = [1, 2, 5, 8, 9, 16]
+ROWS = [1, 2, 3, 5, 8, 9, 16]
 
 
 def want(x, w, gated, residual=None):
