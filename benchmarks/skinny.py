@@ -4,9 +4,12 @@ Per shape and row count, each as CUDA-graph replays over distinct weight copies 
 ``skinny_us`` the skinny product (gated shapes: with the SiLU-mul in its epilogue), ``cublas_us`` one cuBLAS
 product over the same packed weight (gated: plus ``segki::silu_mul`` on its halves), ``gemv_us`` the library's
 GEMV on the split weights (at most 16 rows; gated: ``gated_mlp_front``). ``max_rel_err``: the skinny output's
-largest error against the fp32 reference, over the output's largest value. Writes ``skinny.json/md``.
+largest error against the fp32 reference, over the output's largest value. With ``--norm``, the projections that
+decode normalizes first (gate|up, the GDN input, q|k|v) take the RMSNorm as decode runs them: inside the skinny
+launch (its x staging), as the ``segki::rms_norm`` kernel before the cuBLAS product and the GEMV. Writes
+``skinny.json/md``.
 
-    python benchmarks/skinny.py --out DIR [--models 4b 0.8b] [--rows 1 2 4 8 16]
+    python benchmarks/skinny.py --out DIR [--models 4b 0.8b] [--rows 1 2 4 8 16] [--norm]
 """
 from __future__ import annotations
 
@@ -43,14 +46,24 @@ def gemv(x: torch.Tensor, parts: list[torch.Tensor], gated: bool):
     return ops.gdn_in_proj(x, *parts)
 
 
+NORMED = ("gate_up", "gdn_in_proj", "qkv_proj")   # the projections a decoder layer normalizes x for
+EPS = 1e-6
+
+
 def cublas(x: torch.Tensor, w: torch.Tensor, gated: bool):
     y = F.linear(x, w)
     return torch.ops.segki.silu_mul(*y.chunk(2, dim=-1)) if gated else y
 
 
 def measure(model: str, name: str, parts_rows: list[int], k: int, gated: bool, rows: list[int],
-            bw: float) -> list[dict]:
+            bw: float, norm: bool = False) -> list[dict]:
     from segki_lightning.ops.dispatch import skinny_fits
+
+    nw = (torch.randn(k, device="cuda") * 0.2).to(torch.bfloat16) if norm and name in NORMED else None
+    pro = () if nw is None else (nw, EPS, True)                   # the skinny launch's norm prologue
+
+    def first(x):   # what the cuBLAS and GEMV paths launch before their product
+        return x if nw is None else torch.ops.segki.rms_norm(x, nw, EPS, True)
 
     n = sum(parts_rows)
     wbytes = n * k * 2
@@ -59,19 +72,19 @@ def measure(model: str, name: str, parts_rows: list[int], k: int, gated: bool, r
     split = [list(w.split(parts_rows)) for w in ws]
     out = []
     for m in rows:
-        row = dict(model=model, shape=name, rows=m, weight_mb=round(wbytes / 1e6, 1))
+        row = dict(model=model, shape=name, rows=m, weight_mb=round(wbytes / 1e6, 1), norm=nw is not None)
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         if skinny_fits(m, k, n, 2):
-            got = torch.ops.segki.skinny_linear(x, ws[0], None, gated).float()
-            y = x.float() @ ws[0].float().t()
+            got = torch.ops.segki.skinny_linear(x, ws[0], None, gated, *pro).float()
+            y = first(x).float() @ ws[0].float().t()
             want = F.silu(y[:, : n // 2]) * y[:, n // 2:] if gated else y
             row["max_rel_err"] = float(f"{((got - want).abs().max() / want.abs().max()).item():.2e}")
-            t = graph_time_us([lambda w=w: torch.ops.segki.skinny_linear(x, w, None, gated) for w in ws], 16, 9)
+            t = graph_time_us([lambda w=w: torch.ops.segki.skinny_linear(x, w, None, gated, *pro) for w in ws], 16, 9)
             row.update(skinny_us=round(t, 2), skinny_pct_copy=round(100 * wbytes / t / 1e3 / bw, 1))
-        t = graph_time_us([lambda w=w: cublas(x, w, gated) for w in ws], 16, 9)
+        t = graph_time_us([lambda w=w: cublas(first(x), w, gated) for w in ws], 16, 9)
         row.update(cublas_us=round(t, 2), cublas_pct_copy=round(100 * wbytes / t / 1e3 / bw, 1))
         if m <= 16 and not (name == "lm_head" and m > 1):   # the GEMV on the head: one row, as decode runs it
-            t = graph_time_us([lambda p=p: gemv(x, p, gated) for p in split], 16, 9)
+            t = graph_time_us([lambda p=p: gemv(first(x), p, gated) for p in split], 16, 9)
             row.update(gemv_us=round(t, 2), gemv_pct_copy=round(100 * wbytes / t / 1e3 / bw, 1))
         if "skinny_us" in row:
             best = min(row["cublas_us"], row.get("gemv_us", float("inf")))
@@ -89,6 +102,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["4b", "0.8b"], choices=sorted(SHAPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--only", nargs="+", help="shape names to run (default: all)")
+    ap.add_argument("--norm", action="store_true", help="the RMSNorm before gate|up, the GDN input and q|k|v, "
+                    "as decode runs it on each path")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -102,13 +117,14 @@ def main() -> None:
     for model in args.models:
         for name, (parts, k, gated) in shapes(model).items():
             if not args.only or name in args.only:
-                rows += measure(model, name, parts, k, gated, args.rows, bw)
+                rows += measure(model, name, parts, k, gated, args.rows, bw, args.norm)
     header = (f"# The skinny product vs cuBLAS and the GEMVs ({torch.cuda.get_device_name(0)}, copy bandwidth "
               f"{bw:.0f} GB/s, bf16, CUDA-graph replays, median)\n\n"
               f"Command: `python benchmarks/skinny.py --out DIR --models {' '.join(args.models)} --rows "
-              f"{' '.join(map(str, args.rows))}" + (f" --only {' '.join(args.only)}" if args.only else "") + "`")
-    columns = ["model", "shape", "rows", "weight_mb", "skinny_us", "skinny_pct_copy", "cublas_us", "cublas_pct_copy",
-               "gemv_us", "gemv_pct_copy", "speedup_vs_best", "max_rel_err"]
+              f"{' '.join(map(str, args.rows))}" + (f" --only {' '.join(args.only)}" if args.only else "")
+              + (" --norm" if args.norm else "") + "`")
+    columns = ["model", "shape", "rows", "weight_mb", "norm", "skinny_us", "skinny_pct_copy", "cublas_us",
+               "cublas_pct_copy", "gemv_us", "gemv_pct_copy", "speedup_vs_best", "max_rel_err"]
     write_results(args.out, "skinny", rows, columns, header)
 
 
