@@ -476,8 +476,8 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
                   s);
 }
 
-// The instantiation for a.m rows: one row has its own, with only its staging (less code on the decode path:
-// results/one_row_kernel/).
+// The instantiation for a.m rows: 1, 2, 3-4, 5-8 and 9-16 rows each have their own, holding only their staging
+// (less code on the decode path: results/one_row_kernel/, results/row_kernels/).
 template <typename T, bool GATED>
 void launch_rows(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   if (a.m == 1) launch<T, 1, GATED>(a, plan);
