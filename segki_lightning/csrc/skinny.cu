@@ -497,6 +497,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   TORCH_CHECK(!gated || w.size(0) % 2 == 0, op, ": a gated weight packs gate and up rows: an even row count");
   TORCH_CHECK(!(gated && residual.has_value()), op, ": the gated product takes no residual");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0, op, ": the weight must start on 16 bytes");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, op, ": x must start on 16 bytes");
   const int64_t n = gated ? w.size(0) / 2 : w.size(0);
   auto shape = x.sizes().vec();
   shape.back() = n;

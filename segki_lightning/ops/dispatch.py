@@ -113,7 +113,7 @@ def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gate
     if w is None or x.device.type != "cuda" or torch.compiler.is_compiling():
         return False
     rows = x.numel() // max(x.shape[-1], 1)
-    ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0
+    ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
           and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size())
           and (not gated or (w.shape[0] % 2 == 0 and residual is None))
           and (norm_w is None or (norm_w.shape == (x.shape[-1],) and norm_w.data_ptr() % 16 == 0))

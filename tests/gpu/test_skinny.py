@@ -194,6 +194,9 @@ def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
         torch.ops.segki.skinny_linear(x, w)
     with pytest.raises(RuntimeError, match="outside this path"):
         torch.ops.segki.skinny_linear(x[:4], w[:250])           # not whole 16-row tiles
+    shifted = randn(4 * 2560 + 1, dtype=torch.bfloat16)[1:].view(4, 2560)   # 2 bytes past a 16-byte start
+    with pytest.raises(RuntimeError, match="x must start on 16 bytes"):
+        torch.ops.segki.skinny_linear(shifted, w)
     with pytest.raises(RuntimeError, match="dtype"):
         torch.ops.segki.skinny_linear(x[:4], w.half())
     with pytest.raises(RuntimeError, match="gated weight"):
