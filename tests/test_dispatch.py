@@ -201,15 +201,16 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
 
 
 def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
-    """Where the skinny product takes a packed projection, the norm before it rides in the same launch; under
-    SEGKI_FOLD_NORM=0 (dispatch.FOLD_NORM) the norm kernel runs first and the product gets no norm."""
+    """Where the skinny product takes a packed projection of at most SKINNY_FOLD_ROWS rows, the norm before it rides
+    in the same launch; past them, or under SEGKI_FOLD_NORM=0 (dispatch.FOLD_NORM), the norm kernel runs first and
+    the product gets no norm."""
     x, w, nw = torch.randn(2, 64), torch.randn(48, 64), torch.randn(64)
     calls = []
 
     def native(op):
         def run(*args):
             calls.append((op, len(args) > 4 and args[4] is not None))
-            return torch.zeros(2, 48) if op == "skinny_linear" else args[0]
+            return torch.zeros(args[0].shape[0], 48) if op == "skinny_linear" else args[0]
         return run
 
     monkeypatch.setattr(dispatch, "_native", native)
@@ -218,21 +219,25 @@ def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
     dispatch._skinny_joint(x, (w[:16], w[16:]), nw, 1e-6, True)
     assert calls == [("skinny_linear", True)]
     calls.clear()
+    calls.clear()
+    dispatch._skinny_joint(torch.randn(16, 64), (w[:16], w[16:]), nw, 1e-6, True)   # past SKINNY_FOLD_ROWS
+    assert calls == [("rms_norm", False), ("skinny_linear", False)]
+    calls.clear()
     monkeypatch.setattr(dispatch, "FOLD_NORM", False)
     dispatch._skinny_joint(x, (w[:16], w[16:]), nw, 1e-6, True)
     assert calls == [("rms_norm", False), ("skinny_linear", False)]
 
 
 def test_skinny_routing_by_rows_and_switch(monkeypatch):
-    """Every weight size at 1-8 rows goes to the skinny product, none past 8 rows, under SEGKI_SKINNY=0 or while
+    """Every weight size at 1-16 rows goes to the skinny product, none past 16 rows, under SEGKI_SKINNY=0 or while
     autograd records; CPU tensors never reach the native op."""
     monkeypatch.setattr(dispatch, "_native", lambda op: pytest.fail(f"native {op} called"))
     large, small = torch.empty(2560, 9216, device="meta"), torch.empty(1024, 3584, device="meta")
     routes = dispatch._skinny_routes
     monkeypatch.setattr(dispatch, "SKINNY", None)
-    assert routes(torch.randn(1, 9216), large) and routes(torch.randn(8, 9216), large)
-    assert routes(torch.randn(1, 3584), small) and routes(torch.randn(4, 3584), small)
-    assert not routes(torch.randn(9, 9216), large) and not routes(torch.randn(16, 3584), small)
+    assert routes(torch.randn(1, 9216), large) and routes(torch.randn(16, 9216), large)
+    assert routes(torch.randn(1, 3584), small) and routes(torch.randn(9, 3584), small)
+    assert not routes(torch.randn(17, 9216), large) and not routes(torch.randn(32, 3584), small)
     assert not routes(torch.randn(1, 9216, requires_grad=True), large)
     monkeypatch.setattr(dispatch, "SKINNY", "0")
     assert not routes(torch.randn(1, 9216), large)

@@ -1,8 +1,7 @@
 // Skinny products for 1-16 rows of x: out = x . W^T, every weight element read once. Measured on the H200
 // (results/skinny/): at 1-8 rows faster than the GEMVs and cuBLAS on most Qwen3.5 projections alone (0.8B 1.0-1.65x,
-// 4B 0.96-1.28x the better of the two) and more so inside the decode step. At 16 rows alone it is now even with
-// cuBLAS or ahead on the 4B K = 2560 shapes (gate|up 84.5 against 79.2 % of copy bandwidth), but routed there the
-// decode step lost (4B b=16 -6.5 %, results/row_kernels/), so dispatch routes 1-8 rows here.
+// 4B 0.96-1.28x the better of the two) and more so inside the decode step. At 9-16 rows dispatch routes here too,
+// with the norm as its own kernel before (results/staging16/: 0.8B b=16 +13.7 %, 4B +2.2 %).
 //
 // One block per SM, resident for the whole product. The work is a list of units (a 16-row weight tile x one part
 // of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization). Each unit is
@@ -31,7 +30,8 @@
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
-// (results/skinny/run6_fold_ring/).
+// (results/skinny/run6_fold_ring/). Without one, x comes in by async copies, all of a thread's in flight at once
+// (they were loads through registers): decode 4B b=16 +2.2 %, 0.8B b=1-8 +0.9-2.3 % (results/staging16/).
 #include "bulk.cuh"
 #include "common.cuh"
 #include "timeline.cuh"
@@ -234,11 +234,12 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 template <typename T, int MAXM, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
                                         Stamps& st) {
-  if (a.norm_w == nullptr) {
+  if (a.norm_w == nullptr) {  // every copy in flight at once: one round trip, whatever the rows
     for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
       const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
-      *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + c) = ld_cached(a.x + (size_t)r * a.k + c);
+      async_copy16(xs + (size_t)r * (a.k + kPad) + c, a.x + (size_t)r * a.k + c);
     }
+    async_wait_all();
     mark<STAMP>(st, kLoaded);
     mark<STAMP>(st, kReduced);
     return;

@@ -65,14 +65,16 @@ FOLD_ROWS = 2
 # though at one row it gives up the 0.8B conv epilogue. It runs the norm before it in its x staging (folds_norm):
 # against SEGKI_FOLD_NORM=0 in one run (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. The
 # GDN conv in its epilogue lost twice and was removed (run9_ab, run10_conv_ahead: 0.8B b=1 -3.8 % with the windows
-# read at each tile end, -2.6 % with them read ahead). Past 8 rows the decode step loses with it although the
-# product alone is even with cuBLAS or ahead there (benchmarks/results/row_kernels/: 4B gate|up at 16 rows 26.6 us
-# against 28.4 with the SiLU-mul; 4B b=16 4175 -> 3906 tok/s and 0.8B 11 367 -> 11 179 routed up to 16 rows; so
-# did x in registers at 9-16 rows, 4B b=16 -15 %), hence the row limit. It holds x in shared memory for the whole
-# product, so its rule (skinny_fits) also bounds rows x K.
+# read at each tile end, -2.6 % with them read ahead). At 9-16 rows it takes x after the norm kernel
+# (SKINNY_FOLD_ROWS): there, staging and normalizing 16 rows of x in every block took ~10 us of each 4B product in
+# the step (benchmarks/results/staging16/: routed with the norm inside, 4B b=16 4143 -> 3885 tok/s; with the norm
+# as its own kernel 4143, 0.8B 11 340 -> 12 886; with x copied in at once, 4B 4233, 0.8B 12 891; the norm inside
+# with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
+# (skinny_fits) also bounds rows x K: the 4B o_proj, out_proj and down stay on cuBLAS at 16 rows.
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
-SKINNY_ROUTE_ROWS = 8
+SKINNY_ROUTE_ROWS = 16
+SKINNY_FOLD_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
 
 
@@ -130,15 +132,21 @@ def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False,
     return w if _skinny_ok(x, w, gated=gated, norm_w=norm_w) else None
 
 
+def _skinny_folds(x: Tensor) -> bool:
+    """Whether the skinny product of x runs the norm before it inside its x staging."""
+    return FOLD_NORM and x.numel() // max(x.shape[-1], 1) <= SKINNY_FOLD_ROWS
+
+
 def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
                   gated: bool = False) -> Tensor | None:
     """The packed projections of x (after the norm prologue, inside the launch unless ``SEGKI_FOLD_NORM=0``) as one
     skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied), or None where it does not run
     (the caller's GEMV or cuBLAS path then)."""
-    w = _skinny_weight(x, weights, gated, norm_w if FOLD_NORM else None)
+    fold = _skinny_folds(x)
+    w = _skinny_weight(x, weights, gated, norm_w if fold else None)
     if w is None:
         return None
-    if not FOLD_NORM:
+    if not fold:
         x, norm_w = _norm_first(x, norm_w, norm_eps, norm_unit_offset), None
     y = _native("skinny_linear")(x.reshape(-1, x.shape[-1]), w, None, gated, norm_w, norm_eps, norm_unit_offset)
     return y.unflatten(0, x.shape[:-1])
@@ -256,7 +264,7 @@ def folds_norm(x: Tensor, *weights: Tensor, gated: bool = False) -> bool:
     if not FOLD_NORM or x.device.type != "cuda" or x.dtype not in NATIVE_DTYPES or x.shape[-1] == 0:
         return False
     if _skinny_weight(x, weights, gated) is not None:
-        return True
+        return _skinny_folds(x)
     size, rows = x.element_size(), x.numel() // x.shape[-1]
     if rows > FOLD_ROWS:
         return False

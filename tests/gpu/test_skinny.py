@@ -128,12 +128,12 @@ def test_skinny_norm_prologue_refuses_a_norm_weight_of_another_width():
         torch.ops.segki.skinny_linear(x, w, None, False, randn(1024, dtype=torch.bfloat16), 1e-6, True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16])
-def test_dispatch_routes_the_4b_projections_at_up_to_8_rows_to_it(rows, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 2, 8, 9, 16, 17])
+def test_dispatch_routes_the_4b_projections_at_up_to_16_rows_to_it(rows, monkeypatch):
     """gate|up (with its SiLU-mul) and the GDN input projection (column slices of one product), each after its
     norm, and down_proj with its residual, of 4B size: the skinny product with the norm in its launch at 1-8 rows,
-    the norm kernel and cuBLAS past them; within tolerance of the reference either way; none of it under
-    SEGKI_SKINNY=0 (dispatch.SKINNY)."""
+    after the norm kernel at 9-16 rows, the norm kernel and cuBLAS past them; within tolerance of the reference
+    either way; none of it under SEGKI_SKINNY=0 (dispatch.SKINNY)."""
     from torch import nn
 
     from segki_lightning import ops
@@ -172,13 +172,13 @@ def test_dispatch_routes_the_4b_projections_at_up_to_8_rows_to_it(rows, monkeypa
     for got, ref in zip(outs, R.gdn_in_proj(xn, *f32(*ws))):
         assert rel_err(got, ref) < 1e-2
     assert rel_err(y, R.linear(*f32(h, down), None, res.float())) < 1e-2
-    routed = rows <= dispatch.SKINNY_ROUTE_ROWS
+    routed, folded = rows <= dispatch.SKINNY_ROUTE_ROWS, rows <= dispatch.SKINNY_FOLD_ROWS
     fits_down = dispatch.skinny_fits(rows, 9216, 2560, 2)
-    # routed, the norms run inside the skinny launches (dispatch.folds_norm says so to the decoder layer)
-    assert calls == ([(18432, 2560), (12352, 2560)] + ([(2560, 9216)] if fits_down else []) if routed else
-                     ["rms_norm", "rms_norm"])
+    # folded, the norms run inside the skinny launches (dispatch.folds_norm says so to the decoder layer)
+    fronts = [(18432, 2560), (12352, 2560)] if folded else ["rms_norm", (18432, 2560), "rms_norm", (12352, 2560)]
+    assert calls == (fronts + ([(2560, 9216)] if fits_down else []) if routed else ["rms_norm", "rms_norm"])
     with torch.no_grad():
-        assert dispatch.folds_norm(x, block.gate_proj.weight, block.up_proj.weight, gated=True) == routed
+        assert dispatch.folds_norm(x, block.gate_proj.weight, block.up_proj.weight, gated=True) == folded
     calls.clear()
     monkeypatch.setattr(dispatch, "SKINNY", "0")
     with torch.no_grad():
