@@ -219,7 +219,6 @@ def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
     dispatch._skinny_joint(x, (w[:16], w[16:]), nw, 1e-6, True)
     assert calls == [("skinny_linear", True)]
     calls.clear()
-    calls.clear()
     dispatch._skinny_joint(torch.randn(16, 64), (w[:16], w[16:]), nw, 1e-6, True)   # past SKINNY_FOLD_ROWS
     assert calls == [("rms_norm", False), ("skinny_linear", False)]
     calls.clear()

@@ -101,9 +101,14 @@ def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int) -> bool:
     return rows * (k + SKINNY_PAD) * elem_size + SKINNY_MIN_SLOTS * slot <= SKINNY_SMEM_BYTES
 
 
+def _rows(x: Tensor) -> int:
+    """Rows of x ``[..., K]``: every leading dimension flattened."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
 def _skinny_routes(x: Tensor, *weights: Tensor) -> bool:
     """Whether a projection of x by these weights goes to the skinny product (where it also runs)."""
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = _rows(x)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return False   # forward-only kernel; the packed view it reads would also hide the weights from autograd
     return SKINNY != "0" and rows <= SKINNY_ROUTE_ROWS
@@ -114,7 +119,7 @@ def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gate
     """Whether ``skinny_linear`` runs natively on x ``[..., K]`` by ``w`` (None: weights that are not packed)."""
     if w is None or x.device.type != "cuda" or torch.compiler.is_compiling():
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
+    rows = _rows(x)
     ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
           and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size())
           and (not gated or (w.shape[0] % 2 == 0 and residual is None))
@@ -134,14 +139,14 @@ def _skinny_weight(x: Tensor, weights: tuple[Tensor, ...], gated: bool = False,
 
 def _skinny_folds(x: Tensor) -> bool:
     """Whether the skinny product of x runs the norm before it inside its x staging."""
-    return FOLD_NORM and x.numel() // max(x.shape[-1], 1) <= SKINNY_FOLD_ROWS
+    return FOLD_NORM and _rows(x) <= SKINNY_FOLD_ROWS
 
 
 def _skinny_joint(x: Tensor, weights: tuple[Tensor, ...], norm_w, norm_eps, norm_unit_offset,
                   gated: bool = False) -> Tensor | None:
-    """The packed projections of x (after the norm prologue, inside the launch unless ``SEGKI_FOLD_NORM=0``) as one
-    skinny product ``[..., sum N_i]`` (gated: ``[..., N_0]``, the SiLU-mul applied), or None where it does not run
-    (the caller's GEMV or cuBLAS path then)."""
+    """The packed projections of x (after the norm prologue: inside the launch at up to ``SKINNY_FOLD_ROWS`` rows
+    unless ``SEGKI_FOLD_NORM=0``, else the norm kernel first) as one skinny product ``[..., sum N_i]`` (gated:
+    ``[..., N_0]``, the SiLU-mul applied), or None where it does not run (the caller's GEMV or cuBLAS path then)."""
     fold = _skinny_folds(x)
     w = _skinny_weight(x, weights, gated, norm_w if fold else None)
     if w is None:
@@ -206,7 +211,7 @@ def eligible(op: str, *tensors: Tensor | None, max_rows: int | None = None, shap
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
-    if max_rows is not None and first.numel() // max(first.shape[-1], 1) > max_rows:
+    if max_rows is not None and _rows(first) > max_rows:
         return False
     return has_native(op)
 
@@ -265,7 +270,7 @@ def folds_norm(x: Tensor, *weights: Tensor, gated: bool = False) -> bool:
         return False
     if _skinny_weight(x, weights, gated) is not None:
         return _skinny_folds(x)
-    size, rows = x.element_size(), x.numel() // x.shape[-1]
+    size, rows = x.element_size(), _rows(x)
     if rows > FOLD_ROWS:
         return False
     fits = bulk_gemv_fits(rows, x.shape[-1], size, sum(w.numel() for w in weights) * size, gated,
