@@ -28,6 +28,15 @@
 // (results/one_row_kernel/); so do 2, 3-4 and 5-8 rows (1896-2824 instead of 4736): 0.8B b=2 +5.5 %, b=4 / b=8
 // +2.0 %, 4B within 1 % (results/row_kernels/). ldmatrix fragments (no register moves in the mma loop) did not pay.
 //
+// Segments of K, at 5-8 rows: where x of all of K and three slots do not fit in shared memory (the 4B down, K = 9216,
+// and the 0.8B down, K = 3584, at 7-8 rows), the grid splits into `segs` groups of blocks, group g taking every tile
+// over segment g of K (whole parts) and staging only that segment of x. A group's sums of a tile go to global memory;
+// the block whose sums arrive last (a counter per tile) adds every segment's in segment order and stores the outputs
+// (deterministic: the same order whichever block is last). Decode against cuBLAS there: 0.8B b=8 +7.4 %, 4B b=8 +0.5 %
+// (results/segments/run2/). At 9-16 rows they lost to cuBLAS: the 4B o_proj / out_proj in two segments took ~14 us and
+// the down in three ~24.5 us without PDL (cuBLAS ~10.7 and ~18 with its split-K reduction), 4B b=16 -2.1 %
+// (results/segments/run1_to_16_rows/).
+//
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
 // (results/skinny/run6_fold_ring/). Without one, x comes in by async copies, all of a thread's in flight at once
@@ -62,19 +71,24 @@ struct SkinnyArgs {
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
+  float* seg_sums;    // [tiles][segs][kMaxRows * kTile]: each segment's sums of a tile (segs > 1)
+  int* arrived;       // [tiles]: segments whose sums are in, reset by the block that added them (segs > 1)
   int m, k, n;        // n: output columns
-  int kp, parts;      // columns per part of K, parts per row (kp a multiple of 8 warps x 32)
+  int kp, parts;      // columns per part of K, parts per segment (kp a multiple of 8 warps x 32)
+  int segs, ks;       // segments of K (groups of blocks), columns per segment: ks = parts * kp
   int tiles, slots;
   unsigned long long* stamps;  // the timeline's buffer (the stamping launches only; timeline.cuh)
   int launch_id;
 };
 
 struct SkinnyPlan {
-  int kp = 0, parts = 0, slots = 0;
+  int kp = 0, parts = 0, segs = 0, slots = 0;
   long smem = 0;
 };
 
-constexpr int kMaxGrid = 1024;  // blocks the workspace has room for
+constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
+constexpr int kMaxSegTiles = 4096;  // tiles x segments the workspace has room for (the 4B down: 160 x 3)
+constexpr int kSegRows = 8;         // rows of x up to which segments of K are planned (1-4 rows never need them)
 
 // The weight row that row r (0-15) of tile t is.
 template <bool GATED, typename T>
@@ -83,8 +97,8 @@ __device__ __forceinline__ int tile_row(const SkinnyArgs<T>& a, int t, int r) {
   else return t * kTile + r;
 }
 
-// The producer warp: unit u's 16 row parts into `slot` (rows kp + kPad apart), completing on `bar`, evicted first
-// from L2 (`policy`: the weights are read once a step).
+// The producer warp: tile t's 16 row parts of part p of K (counted over all of K) into `slot` (rows kp + kPad
+// apart), completing on `bar`, evicted first from L2 (`policy`: the weights are read once a step).
 template <bool GATED, typename T>
 __device__ __forceinline__ void issue_unit(const SkinnyArgs<T>& a, int t, int p, T* slot, uint64_t* bar,
                                            uint64_t policy) {
@@ -108,9 +122,10 @@ struct UnitCursor {
   }
 };
 
-// acc[j] += this warp's columns of the unit in `slot` (part p of K) times x rows 8j..8j+7.
+// acc[j] += this warp's columns of the unit in `slot` (part p of the block's segment, ks columns) times x rows
+// 8j..8j+7.
 template <typename T, int NB>
-__device__ __forceinline__ void mma_unit(const T* slot, const T* xs, int m, int k, int kp, int p, float acc[NB][4]) {
+__device__ __forceinline__ void mma_unit(const T* slot, const T* xs, int m, int ks, int kp, int p, float acc[NB][4]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int wcols = kp / kWarps, c0 = warp * wcols + t * 8;
   const T* lo = slot + (size_t)g * (kp + kPad) + c0;
@@ -120,7 +135,7 @@ __device__ __forceinline__ void mma_unit(const T* slot, const T* xs, int m, int 
 #pragma unroll
   for (int j = 0; j < NB; ++j) {
     xin[j] = 8 * j + g < m;
-    xr[j] = xs + (size_t)(xin[j] ? 8 * j + g : 0) * (k + kPad) + (size_t)p * kp + c0;
+    xr[j] = xs + (size_t)(xin[j] ? 8 * j + g : 0) * (ks + kPad) + (size_t)p * kp + c0;
   }
 #pragma unroll 4
   for (int c = 0; c < wcols; c += 32) {
@@ -166,14 +181,15 @@ struct ConsumersSync {
   __device__ __forceinline__ void operator()() const { consumers_sync(); }
 };
 
-// stage_x through the launch's RMSNorm: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of
-// every 2048 each, the same block reduction), so the rows hold the bits that kernel would have stored and the
-// product is exactly the one of its output. Every row's stretch is requested at once; w0 (the thread's first 8
-// norm weights) came before the wait. M: the rows it holds sums for (at least m; a row past m sums zeros and is not
-// stored); each row's arithmetic is the same for any M. At M <= 4 the first two stretches (all of x for K <= 4096:
-// the 4B's 2560) are requested together, one round trip instead of two, and w1 (the second stretch's norm weights)
-// came before the wait too. Sums for the rows there are, not for 8: at one row the staging ran ~650 instructions a
-// thread instead of ~250 and took 2.1 us instead of 0.2 on the 0.8B (results/skinny/run15_normrows/).
+// stage_x through the launch's RMSNorm: rms_norm_kernel's arithmetic thread for thread (256 threads, 8 columns of every
+// 2048 each, the same block reduction), so the rows hold the bits that kernel would have stored and the product is
+// exactly the one of its output. Every row's stretch is requested at once; w0 (the thread's first 8 norm weights) came
+// before the wait. M: the rows it holds sums for (at least m; a row past m sums zeros and is not stored); each row's
+// arithmetic is the same for any M. At M <= 4 the first two stretches (all of x for K <= 4096: the 4B's 2560) are
+// requested together, one round trip instead of two, and w1 (the second stretch's norm weights) came before the wait
+// too. A launch with a norm has one segment (ks = k: the sums need whole rows). Sums for the rows there are, not for 8:
+// at one row the staging ran ~650 instructions a thread instead of ~250 and took 2.1 us instead of 0.2 on the 0.8B
+// (results/skinny/run15_normrows/).
 template <typename T, int M, bool STAMP>
 __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
                                              Stamps& st) {
@@ -190,7 +206,7 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
       float v[8];
       unpack8<T>(u[r], v);
       ss[r] = add_squares8(v, ss[r]);
-      if (r < a.m) *reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + i) = u[r];
+      if (r < a.m) *reinterpret_cast<uint4*>(xs + (size_t)r * (a.ks + kPad) + i) = u[r];
     }
   };
   int i = i0;
@@ -219,7 +235,7 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
     for (int r = 0; r < M; ++r) {
       if (r >= a.m) break;
       const float inv = rms_inverse(ss[r], a.k, a.norm_eps);
-      uint4* p = reinterpret_cast<uint4*>(xs + (size_t)r * (a.k + kPad) + i);
+      uint4* p = reinterpret_cast<uint4*>(xs + (size_t)r * (a.ks + kPad) + i);
       float v[8];
       unpack8<T>(*p, v);
 #pragma unroll
@@ -229,15 +245,17 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
   }
 }
 
-// x [m, K] into shared memory (rows K + kPad apart) for the block's life, normalized when the launch has a norm.
-// MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel holds the one staging it runs.
+// Segment `seg` of x [m, K] (its ks columns) into shared memory (rows ks + kPad apart) for the block's life,
+// normalized when the launch has a norm. MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel
+// holds the one staging it runs.
 template <typename T, int MAXM, bool STAMP>
-__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, T* xs, float (*scratch)[32], uint4 w0, uint4 w1,
-                                        Stamps& st) {
+__device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, int seg, T* xs, float (*scratch)[32], uint4 w0,
+                                        uint4 w1, Stamps& st) {
   if (a.norm_w == nullptr) {  // every copy in flight at once: one round trip, whatever the rows
-    for (int i = threadIdx.x; i < a.m * a.k / 8; i += kConsumers) {
-      const int r = i / (a.k / 8), c = (i - r * (a.k / 8)) * 8;
-      async_copy16(xs + (size_t)r * (a.k + kPad) + c, a.x + (size_t)r * a.k + c);
+    const T* x = a.x + (size_t)seg * a.ks;
+    for (int i = threadIdx.x; i < a.m * a.ks / 8; i += kConsumers) {
+      const int r = i / (a.ks / 8), c = (i - r * (a.ks / 8)) * 8;
+      async_copy16(xs + (size_t)r * (a.ks + kPad) + c, x + (size_t)r * a.k + c);
     }
     async_wait_all();
     mark<STAMP>(st, kLoaded);
@@ -258,12 +276,62 @@ __device__ __forceinline__ void await(int* flag) {
   } while (v == 0);
 }
 
+// Adds 1 to `count` at gpu scope, acquiring what the blocks that added before it released: the earlier value.
+__device__ __forceinline__ int arrive_count(int* count) {
+  int old = 0;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+  return old;
+}
+
+// Segments of K (segs > 1): this block's group's sums of tile t (v, thread i's) into seg_sums. Whether they came
+// last; then v is every segment's sum, added in segment order. `last`: a shared word the block's answer passes by.
+template <typename T>
+__device__ __forceinline__ bool gather_segments(const SkinnyArgs<T>& a, int t, int seg, bool mine, float& v,
+                                                int* last) {
+  const int i = threadIdx.x;
+  float* sums = a.seg_sums + (size_t)t * a.segs * kMaxRows * kTile + i;
+  if (mine) sums[(size_t)seg * kMaxRows * kTile] = v;
+  consumers_sync();  // every thread's store is issued before the count
+  if (i == 0) {
+    __threadfence();
+    *last = arrive_count(a.arrived + t) == a.segs - 1;
+  }
+  consumers_sync();
+  if (!*last) return false;
+  v = 0.f;
+  if (mine) {
+    for (int s = 0; s < a.segs; ++s) v += __ldcg(sums + (size_t)s * kMaxRows * kTile);
+  }
+  if (i == 0) a.arrived[t] = 0;  // every segment counted: zero again for the next launch
+  return true;
+}
+
+// Thread i's output of tile t (x row xr, weight row r; mine: a row of x there is) from its sum v. Every consumer
+// thread calls it: the gated form pairs threads i and i + 8 by a shuffle.
+template <typename T, bool GATED>
+__device__ __forceinline__ void store_output(const SkinnyArgs<T>& a, int t, int xr, int r, bool mine, float v) {
+  if constexpr (GATED) {
+    // gate (r < 8) and up (r + 8) of one output sit in threads i and i + 8 of the same half-warp
+    const float up = __shfl_down_sync(0xffffffffu, v, 8);
+    if (mine && r < 8) {
+      const float gv = round_to<T>(v), uv = round_to<T>(up);
+      a.out[(size_t)xr * a.n + t * 8 + r] = from_float<T>(silu(gv) * uv);
+    }
+  } else if (mine) {
+    const size_t o = (size_t)xr * a.n + (size_t)t * kTile + r;
+    float y = round_to<T>(v);
+    if (a.residual) y += to_float<T>(a.residual[o]);
+    a.out[o] = from_float<T>(y);
+  }
+}
+
 // How a block finishes tile `t` after the warps' sums are in `red`. head: the block started inside the tile, so
 // it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
-// block's published sums to its own and stores the outputs. Otherwise it stores them.
-template <typename T, bool GATED>
-__device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool head, bool tail,
-                                            float (*red)[kMaxRows][kRedStride]) {
+// block's published sums to its own. Then it stores the outputs, or with segments of K passes the group's sums on
+// (gather_segments) and stores them only where they came last.
+template <typename T, bool GATED, bool SEGS>
+__device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, int seg, bool head, bool tail,
+                                            float (*red)[kMaxRows][kRedStride], int* last) {
   const int i = threadIdx.x;
   const int xr = i / kTile, r = i % kTile;  // one (x row, weight row) per thread: 16 x 16 = 256 threads
   const bool mine = xr < a.m;
@@ -283,22 +351,15 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, bool 
     if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
     if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
   }
-  if constexpr (GATED) {
-    // gate (r < 8) and up (r + 8) of one output sit in threads i and i + 8 of the same half-warp
-    const float up = __shfl_down_sync(0xffffffffu, v, 8);
-    if (mine && r < 8) {
-      const float gv = round_to<T>(v), uv = round_to<T>(up);
-      a.out[(size_t)xr * a.n + t * 8 + r] = from_float<T>(silu(gv) * uv);
-    }
-  } else if (mine) {
-    const size_t o = (size_t)xr * a.n + (size_t)t * kTile + r;
-    float y = round_to<T>(v);
-    if (a.residual) y += to_float<T>(a.residual[o]);
-    a.out[o] = from_float<T>(y);
+  if constexpr (SEGS) {
+    if (!gather_segments(a, t, seg, mine, v, last)) return;
   }
+  store_output<T, GATED>(a, t, xr, r, mine, v);
 }
 
-template <typename T, int MAXM, bool GATED, bool STAMP>
+// SEGS: the launch has segments of K (a.segs > 1; an instantiation of its own, so that the others carry none of its
+// code).
+template <typename T, int MAXM, bool GATED, bool SEGS, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
   constexpr int NB = (MAXM + 7) / 8;  // mma N-groups of 8 rows of x
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
@@ -307,12 +368,20 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
   __shared__ unsigned long long landed;  // STAMP only: the clock when the block's last unit had landed
+  __shared__ int last;                    // segs > 1: whether the block's sums of a tile came last (finish_tile)
   T* ring = reinterpret_cast<T*>(skinny_smem);
   const size_t slot_elems = (size_t)kTile * (a.kp + kPad);
   T* xs = ring + a.slots * slot_elems;
+  // the block's segment of K: blocks [b0, b0 + group) are group seg; its units split in equal contiguous ranges
+  int seg = 0, b0 = 0, group = (int)gridDim.x;
+  if constexpr (SEGS) {
+    while ((seg + 1) * (int)gridDim.x / a.segs <= (int)blockIdx.x) ++seg;
+    b0 = seg * (int)gridDim.x / a.segs;
+    group = (seg + 1) * (int)gridDim.x / a.segs - b0;
+  }
   const int units = a.tiles * a.parts;
-  const int u0 = (int)((long long)blockIdx.x * units / gridDim.x);
-  const int u1 = (int)((long long)(blockIdx.x + 1) * units / gridDim.x);
+  const int u0 = (int)((long long)(blockIdx.x - b0) * units / group);
+  const int u1 = (int)((long long)(blockIdx.x - b0 + 1) * units / group);
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     for (int s = 0; s < a.slots; ++s) {
@@ -328,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     UnitCursor at(u0, a.parts);
     for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
       if (u - u0 >= a.slots) mbar_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's previous round consumed
-      issue_unit<GATED>(a, at.t, at.p, ring + at.slot * slot_elems, &full[at.slot], policy);
+      issue_unit<GATED>(a, at.t, seg * a.parts + at.p, ring + at.slot * slot_elems, &full[at.slot], policy);
     }
     if constexpr (STAMP) {  // when the copies, not the consumers, were done: the last unit's barrier completing
       const int c = u1 - 1 - u0;
@@ -347,7 +416,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   pdl_wait();
   mark<STAMP>(st, kWaited);
   // red is free until the first tile ends
-  stage_x<T, MAXM, STAMP>(a, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
+  stage_x<T, MAXM, STAMP>(a, seg, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
@@ -364,7 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       if (u == u0) mark<STAMP>(st, kFirst);
       else st.unit_wait += clock64() - t0;
     }
-    mma_unit<T, NB>(ring + at.slot * slot_elems, xs, a.m, a.k, a.kp, at.p, acc);
+    mma_unit<T, NB>(ring + at.slot * slot_elems, xs, a.m, a.ks, a.kp, at.p, acc);
     if (u == u1 - 1) mark<STAMP>(st, kLast);
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[at.slot]);  // this warp is done with the slot
@@ -374,7 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
           upper ? reinterpret_cast<float(*)[kMaxRows][kRedStride]>(&red[0][8][0]) : red;
       stash<NB>(acc, sums);
       consumers_sync();
-      finish_tile<T, GATED>(a, at.t, at.t == head_tile, at.p != a.parts - 1, sums);
+      finish_tile<T, GATED, SEGS>(a, at.t, seg, at.t == head_tile, at.p != a.parts - 1, sums, &last);
       if constexpr (NB == 1) upper = !upper;
       else consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
@@ -405,18 +474,28 @@ int part_cols(int k) {
   return best;
 }
 
-// The launch for x [m, k] by a weight of `rows` rows, or false where this path does not take it.
-bool skinny_plan(int m, int k, int rows, size_t elem, SkinnyPlan& plan) {
+// The launch for x [m, k] by a weight of `rows` rows (norm: with the norm prologue), or false where this path does
+// not take it. Segments of K: the fewest (a divisor of the parts) whose x leaves room for three slots, at 5-8 rows
+// only (kSegRows); one where the launch normalizes x (the sums need whole rows).
+bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& plan) {
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
   plan.kp = part_cols(k);
   if (plan.kp == 0) return false;
-  plan.parts = k / plan.kp;
+  const int parts = k / plan.kp, tiles = rows / kTile;
   const long slot_bytes = (long)kTile * (plan.kp + kPad) * (long)elem;
-  const long x_bytes = (long)m * (k + kPad) * (long)elem;
-  plan.slots = (int)std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
-  if (plan.slots < kMinSlots) return false;
-  plan.smem = plan.slots * slot_bytes + x_bytes;
-  return true;
+  for (int segs = 1; segs <= (norm || m > kSegRows ? 1 : parts); ++segs) {
+    if (parts % segs != 0) continue;
+    if (segs > 1 && (long)tiles * segs > kMaxSegTiles) return false;
+    const long x_bytes = (long)m * (k / segs + kPad) * (long)elem;
+    const long slots = std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
+    if (slots < kMinSlots) continue;
+    plan.parts = parts / segs;
+    plan.segs = segs;
+    plan.slots = (int)slots;
+    plan.smem = slots * slot_bytes + x_bytes;
+    return true;
+  }
+  return false;
 }
 
 // Per device: the partial sums and flags of split tiles, allocated zeroed on the first product (outside graph
@@ -424,6 +503,8 @@ bool skinny_plan(int m, int k, int rows, size_t elem, SkinnyPlan& plan) {
 struct Workspace {
   float* partial = nullptr;
   int* ready = nullptr;
+  float* seg_sums = nullptr;
+  int* arrived = nullptr;
 };
 
 Workspace workspace() {
@@ -441,49 +522,55 @@ Workspace workspace() {
     ws[dev].partial = keep.back().data_ptr<float>();
     keep.push_back(at::zeros({(long)kMaxGrid}, opts.dtype(at::kInt)));
     ws[dev].ready = keep.back().data_ptr<int>();
+    keep.push_back(at::zeros({(long)kMaxSegTiles * kMaxRows * kTile}, opts.dtype(at::kFloat)));
+    ws[dev].seg_sums = keep.back().data_ptr<float>();
+    keep.push_back(at::zeros({(long)kMaxSegTiles}, opts.dtype(at::kInt)));
+    ws[dev].arrived = keep.back().data_ptr<int>();
     C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
   }
   return ws[dev];
 }
 
-// The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per
-// tile (so each block has at least `parts` units and a tile spans at most two blocks). A grid of one block per
-// unit, which streams the narrow 0.8B products (64 tiles of 2 parts) on all 132 SMs instead of 64, lost in the
-// decode step (results/skinny/run7_grid/: 0.8B b=1 1189.0 -> 1149.6 tok/s, b=4 -5.4 %); likely reasons, not
-// measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A
-// grid capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B
-// 357.2 -> 351.1; 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
-template <typename T, int MAXM, bool GATED>
+// The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per tile in
+// each segment's group (so each block has at least `parts` units and a tile spans at most two blocks). A grid of one
+// block per unit, which streams the narrow 0.8B products (64 tiles of 2 parts) on all 132 SMs instead of 64, lost in
+// the decode step (results/skinny/run7_grid/: 0.8B b=1 1189.0 -> 1149.6 tok/s, b=4 -5.4 %); likely reasons, not
+// measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A grid
+// capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B 357.2 -> 351.1;
+// 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
+template <typename T, int MAXM, bool GATED, bool SEGS = false>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, false>;
+  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false>;
   allow_dynamic_smem<kernel>(kSmemBytes);
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int grid = std::min({resident, a.tiles, kMaxGrid});
+  const int grid = std::min({resident, a.tiles * a.segs, kMaxGrid});
+  TORCH_CHECK(grid >= a.segs, "segki::skinny_linear: ", a.segs, " segments of K need as many resident blocks");
   StampState& stamps = stamp_state();  // timeline.cuh
   if (stamps.buf == nullptr) {
     launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                     a);
     return;
   }
-  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, true>;
+  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, true>;
   allow_dynamic_smem<stamped>(kSmemBytes);
   SkinnyArgs<T> s = a;
   s.stamps = stamps.buf;
-  s.launch_id = stamp_launch(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts, a.tiles});
+  s.launch_id = stamp_launch(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts * a.segs, a.tiles});
   launch_pdl_smem(stamped, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
                   s);
 }
 
 // The instantiation for a.m rows: 1, 2, 3-4, 5-8 and 9-16 rows each have their own, holding only their staging
-// (less code on the decode path: results/one_row_kernel/, results/row_kernels/).
+// (less code on the decode path: results/one_row_kernel/, results/row_kernels/); 5-8 rows in segments of K one more.
 template <typename T, bool GATED>
 void launch_rows(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   if (a.m == 1) launch<T, 1, GATED>(a, plan);
   else if (a.m == 2) launch<T, 2, GATED>(a, plan);
   else if (a.m <= 4) launch<T, 4, GATED>(a, plan);
+  else if (a.m <= 8 && a.segs > 1) launch<T, 8, GATED, true>(a, plan);
   else if (a.m <= 8) launch<T, 8, GATED>(a, plan);
   else launch<T, 16, GATED>(a, plan);
 }
@@ -518,10 +605,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
   SkinnyPlan plan;
-  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), plan), op, ": x ", x.sizes(),
-              " by weight ", w.sizes(), " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile,
-              ", K with a part of 256-2048 columns, x and ", kMinSlots, " slots within ", kSmemBytes / 1024,
-              " KB); use linear");
+  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), norm_w.has_value(), plan), op, ": x ",
+              x.sizes(), " by weight ", w.sizes(), norm_w.has_value() ? " with a norm" : "",
+              " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile, ", K with a part of 256-2048 "
+              "columns, x (at 5-", kSegRows, " rows without a norm, a segment of K) and ", kMinSlots, " slots within ",
+              kSmemBytes / 1024, " KB); use linear");
   const Workspace ws = workspace();
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     SkinnyArgs<T> a{};
@@ -534,11 +622,15 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.norm_unit_offset = norm_unit_offset;
     a.partial = ws.partial;
     a.ready = ws.ready;
+    a.seg_sums = ws.seg_sums;
+    a.arrived = ws.arrived;
     a.m = (int)m;
     a.k = (int)k;
     a.n = (int)n;
     a.kp = plan.kp;
     a.parts = plan.parts;
+    a.segs = plan.segs;
+    a.ks = plan.parts * plan.kp;
     a.tiles = (int)(w.size(0) / kTile);
     a.slots = plan.slots;
     if (gated) launch_rows<T, true>(a, plan);

@@ -70,12 +70,16 @@ FOLD_ROWS = 2
 # the step (benchmarks/results/staging16/: routed with the norm inside, 4B b=16 4143 -> 3885 tok/s; with the norm
 # as its own kernel 4143, 0.8B 11 340 -> 12 886; with x copied in at once, 4B 4233, 0.8B 12 891; the norm inside
 # with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
-# (skinny_fits) also bounds rows x K: the 4B o_proj, out_proj and down stay on cuBLAS at 16 rows.
+# (skinny_fits) also bounds rows x K; at 5-8 rows, where all of K does not fit, groups of blocks each take a segment
+# of K, their sums added across groups (skinny_segments: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
+# 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments lost to cuBLAS (4B b=16 -2.1 %):
+# the 4B o_proj, out_proj and down stay there.
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 16
 SKINNY_FOLD_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
+SKINNY_SEGMENT_ROWS, SKINNY_MAX_SEG_TILES = 8, 4096   # rows up to which it plans segments; tiles x segments it holds
 
 
 def skinny_part_cols(k: int) -> int:
@@ -91,14 +95,29 @@ def skinny_part_cols(k: int) -> int:
     return best
 
 
-def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int) -> bool:
-    """Whether the skinny product takes ``rows`` of x ``[rows, k]`` by a weight of ``weight_rows`` rows: 1-16 rows,
-    whole 16-row tiles, and x plus three slots of one part within its shared memory."""
+def skinny_segments(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> int:
+    """Segments of K the skinny product splits x ``[rows, k]`` into for a weight of ``weight_rows`` rows
+    (csrc/skinny.cu: skinny_plan), or 0 where it does not take them: 1-16 rows, whole 16-row tiles, and the fewest
+    segments (whole parts) whose x leaves room for three slots of one part in its shared memory; one segment past
+    ``SKINNY_SEGMENT_ROWS`` rows or with the norm prologue (``norm``: the norm's sums need whole rows)."""
     kp = skinny_part_cols(k)
     if not 1 <= rows <= SKINNY_ROWS or weight_rows % SKINNY_TILE or kp == 0:
-        return False
-    slot = SKINNY_TILE * (kp + SKINNY_PAD) * elem_size
-    return rows * (k + SKINNY_PAD) * elem_size + SKINNY_MIN_SLOTS * slot <= SKINNY_SMEM_BYTES
+        return 0
+    parts, slot = k // kp, SKINNY_TILE * (kp + SKINNY_PAD) * elem_size
+    for segs in range(1, (1 if norm or rows > SKINNY_SEGMENT_ROWS else parts) + 1):
+        if parts % segs:
+            continue
+        if segs > 1 and weight_rows // SKINNY_TILE * segs > SKINNY_MAX_SEG_TILES:
+            return 0
+        if rows * (k // segs + SKINNY_PAD) * elem_size + SKINNY_MIN_SLOTS * slot <= SKINNY_SMEM_BYTES:
+            return segs
+    return 0
+
+
+def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> bool:
+    """Whether the skinny product takes x ``[rows, k]`` by a weight of ``weight_rows`` rows (see
+    :func:`skinny_segments`)."""
+    return skinny_segments(rows, k, weight_rows, elem_size, norm) > 0
 
 
 def _rows(x: Tensor) -> int:
@@ -121,7 +140,7 @@ def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gate
         return False
     rows = _rows(x)
     ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
-          and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size())
+          and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size(), norm=norm_w is not None)
           and (not gated or (w.shape[0] % 2 == 0 and residual is None))
           and (norm_w is None or (norm_w.shape == (x.shape[-1],) and norm_w.data_ptr() % 16 == 0))
           and torch.cuda.get_device_capability(x.device)[0] >= 9)
@@ -268,9 +287,9 @@ def folds_norm(x: Tensor, *weights: Tensor, gated: bool = False) -> bool:
     projections' norm prologue runs as the norm kernel first: the same bits, one launch more."""
     if not FOLD_NORM or x.device.type != "cuda" or x.dtype not in NATIVE_DTYPES or x.shape[-1] == 0:
         return False
-    if _skinny_weight(x, weights, gated) is not None:
-        return _skinny_folds(x)
-    size, rows = x.element_size(), _rows(x)
+    size, rows, w = x.element_size(), _rows(x), _skinny_weight(x, weights, gated)
+    if w is not None:   # the norm inside where x fits whole (no segments of K)
+        return _skinny_folds(x) and skinny_fits(rows, x.shape[-1], w.shape[0], size, norm=True)
     if rows > FOLD_ROWS:
         return False
     fits = bulk_gemv_fits(rows, x.shape[-1], size, sum(w.numel() for w in weights) * size, gated,

@@ -20,12 +20,14 @@ def native():
         pytest.fail("the segki extension did not build/load on this GPU machine")
 
 # name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, small ones whose tiles split over
-# blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), and few tiles of many parts
+# blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), few tiles of many parts, and
+# split tiles in segments of K (K = 9216 at 7-8 rows: three groups of blocks, as many_parts and 4b_down; 08b_down two)
 SHAPES = {
     "4b_gate_up": (2 * 9216, 2560, True), "4b_gdn_in": (12352, 2560, False), "4b_o_proj": (2560, 4096, False),
     "4b_down": (2560, 9216, False), "08b_gate_up": (2 * 3584, 1024, True), "08b_down": (1024, 3584, False),
     "08b_o_proj": (1024, 2048, False), "many_parts": (16 * 8, 9216, False), "many_parts_gated": (16 * 8, 9216, True),
     "split_tiles": (16 * 200, 2560, False), "split_gated": (16 * 200, 2560, True), "few_tiles": (16 * 5, 512, False),
+    "split_segments": (16 * 200, 9216, False), "split_segments_gated": (16 * 200, 9216, True),
 }
 ROWS = [1, 2, 3, 5, 8, 9, 16]
 
@@ -49,11 +51,11 @@ def test_skinny_product_against_the_fp32_reference(shape, rows, dtype):
     assert_every_element(got, want(x, w, gated), dtype)
 
 
-@pytest.mark.parametrize("shape", ["split_tiles", "many_parts"])
-@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("shape", ["split_tiles", "many_parts", "split_segments"])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_skinny_product_is_deterministic_and_replays_in_a_graph(rows, shape):
-    """Split tiles are summed in one order every launch: the same bits eagerly, again, and from a graph replayed
-    on new inputs."""
+    """Split tiles and segments of K are summed in one order every launch (and their flags and counters zeroed for
+    the next): the same bits eagerly, again, and from a graph replayed on new inputs."""
     n, k, _ = SHAPES[shape]
     if not dispatch.skinny_fits(rows, k, n, 2):
         pytest.skip(f"{rows} rows of K = {k} do not fit the path")
@@ -68,10 +70,13 @@ def test_skinny_product_is_deterministic_and_replays_in_a_graph(rows, shape):
         assert rel_err(out, want(x, w, False)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("shape", ["split_tiles", "split_segments"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 4, 16])
-def test_skinny_residual_is_the_separate_add_of_the_rounded_product(rows, dtype):
-    n, k, _ = SHAPES["split_tiles"]
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+def test_skinny_residual_is_the_separate_add_of_the_rounded_product(rows, dtype, shape):
+    n, k, _ = SHAPES[shape]
+    if not dispatch.skinny_fits(rows, k, n, 2):
+        pytest.skip(f"{rows} rows of K = {k} do not fit the path")
     x, w, res = randn(rows, k, dtype=dtype), randn(n, k, dtype=dtype, scale=k**-0.5), randn(rows, n, dtype=dtype)
     poison((rows, n), dtype=dtype)
     got = torch.ops.segki.skinny_linear(x, w, res)
@@ -109,8 +114,8 @@ def test_skinny_norm_prologue_is_the_norm_kernel_then_the_product(shape, rows, d
     the product equals the one of the norm kernel's output exactly; K of 1024 (idle threads), 2560 and 4096 (a
     second 2048-column stretch) and 9216 (five), both weight forms; and within tolerance of the fp32 reference."""
     n, k, gated = SHAPES[shape]
-    if not dispatch.skinny_fits(rows, k, n, 2):
-        pytest.skip(f"{rows} rows of K = {k} do not fit the path (x and three slots in shared memory)")
+    if not dispatch.skinny_fits(rows, k, n, 2, norm=True):
+        pytest.skip(f"{rows} rows of K = {k} do not fit the path with a norm (all of x and three slots)")
     x, w = randn(rows, k, dtype=dtype, scale=3.0), randn(n, k, dtype=dtype, scale=k**-0.5)
     nw, eps = randn(k, dtype=dtype, scale=0.2), 1e-6
     normed = torch.ops.segki.rms_norm(x, nw, eps, unit_offset)
@@ -201,6 +206,9 @@ def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
         torch.ops.segki.skinny_linear(x[:4], w.half())
     with pytest.raises(RuntimeError, match="gated weight"):
         torch.ops.segki.skinny_linear(x[:4], w[:255], None, True)
+    wide, nw = randn(8, 9216, dtype=torch.bfloat16), randn(9216, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="with a norm is outside this path"):   # it would take segments of K
+        torch.ops.segki.skinny_linear(wide, randn(256, 9216, dtype=torch.bfloat16), None, False, nw, 1e-6, False)
     # the dispatch entry takes the reference instead
     from segki_lightning import ops
 
