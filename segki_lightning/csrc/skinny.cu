@@ -89,6 +89,8 @@ struct SkinnyPlan {
 constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
 constexpr int kMaxSegTiles = 4096;  // tiles x segments the workspace has room for (the 4B down: 160 x 3)
 constexpr int kSegRows = 8;         // rows of x up to which segments of K are planned (1-4 rows never need them)
+constexpr int kMinPartCols = 512;   // the shortest parts of K planned where the longer ones do not fit (1 KB copies)
+constexpr long kShortPartsMaxBytes = 16l << 20;  // weights up to which shorter parts are planned (skinny_plan)
 
 // The weight row that row r (0-15) of tile t is.
 template <bool GATED, typename T>
@@ -474,26 +476,42 @@ int part_cols(int k) {
   return best;
 }
 
-// The launch for x [m, k] by a weight of `rows` rows (norm: with the norm prologue), or false where this path does
-// not take it. Segments of K: the fewest (a divisor of the parts) whose x leaves room for three slots, at 5-8 rows
-// only (kSegRows); one where the launch normalizes x (the sums need whole rows).
-bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& plan) {
-  if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
-  plan.kp = part_cols(k);
-  if (plan.kp == 0) return false;
-  const int parts = k / plan.kp, tiles = rows / kTile;
-  const long slot_bytes = (long)kTile * (plan.kp + kPad) * (long)elem;
-  for (int segs = 1; segs <= (norm || m > kSegRows ? 1 : parts); ++segs) {
+// The launch for x [m, k] by a weight of `rows` rows in parts of kp columns, or false where x and three slots do
+// not fit. Segments of K: the fewest (a divisor of the parts) whose x leaves room for three slots, where `segments`
+// allows them.
+bool plan_parts(int m, int k, int rows, size_t elem, int kp, bool segments, SkinnyPlan& plan) {
+  const int parts = k / kp, tiles = rows / kTile;
+  const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
+  for (int segs = 1; segs <= (segments ? parts : 1); ++segs) {
     if (parts % segs != 0) continue;
     if (segs > 1 && (long)tiles * segs > kMaxSegTiles) return false;
     const long x_bytes = (long)m * (k / segs + kPad) * (long)elem;
     const long slots = std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
     if (slots < kMinSlots) continue;
+    plan.kp = kp;
     plan.parts = parts / segs;
     plan.segs = segs;
     plan.slots = (int)slots;
     plan.smem = slots * slot_bytes + x_bytes;
     return true;
+  }
+  return false;
+}
+
+// The launch for x [m, k] by a weight of `rows` rows (norm: with the norm prologue), or false where this path does
+// not take it: the parts of part_cols, in segments of K at 5-8 rows (kSegRows) where all of x does not fit (one
+// segment where the launch normalizes x: the sums need whole rows); else, in one segment on weights of at most
+// kShortPartsMaxBytes, the longest smaller parts that fit, down to kMinPartCols. Against cuBLAS at 16 rows
+// (results/short_parts/): the 0.8B down (7.3 MB) in parts of 512 columns, decode 0.8B b=16 +7.3 %, b=12 +8.0 %;
+// the 4B o_proj / out_proj (21 MB) so took 13.2 us without PDL, 4B b=16 -1.4 %.
+bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& plan) {
+  if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
+  const int kp = part_cols(k);
+  if (kp == 0) return false;
+  if (plan_parts(m, k, rows, elem, kp, !norm && m <= kSegRows, plan)) return true;
+  if ((long)rows * k * (long)elem > kShortPartsMaxBytes) return false;
+  for (int p = kp - kWarps * 32; p >= kMinPartCols; p -= kWarps * 32) {
+    if (k % p == 0 && plan_parts(m, k, rows, elem, p, false, plan)) return true;
   }
   return false;
 }

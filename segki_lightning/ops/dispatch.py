@@ -72,14 +72,18 @@ FOLD_ROWS = 2
 # with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
 # (skinny_fits) also bounds rows x K; at 5-8 rows, where all of K does not fit, groups of blocks each take a segment
 # of K, their sums added across groups (skinny_segments: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
-# 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments lost to cuBLAS (4B b=16 -2.1 %):
-# the 4B o_proj, out_proj and down stay there.
+# 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments lost to cuBLAS (4B b=16 -2.1 %);
+# there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512 columns: 0.8B b=16
+# +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %, benchmarks/results/short_parts/). The 4B
+# o_proj, out_proj and down stay on cuBLAS at 16 rows.
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 16
 SKINNY_FOLD_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
 SKINNY_SEGMENT_ROWS, SKINNY_MAX_SEG_TILES = 8, 4096   # rows up to which it plans segments; tiles x segments it holds
+SKINNY_MIN_PART_COLS = 512    # the shortest parts of K it plans where the longer ones do not fit (1 KB row copies)
+SKINNY_SHORT_PARTS_MAX_BYTES = 16 * 2**20   # weights up to which it plans them (the 0.8B down 7.3 MB, not 4B's 21)
 
 
 def skinny_part_cols(k: int) -> int:
@@ -95,16 +99,31 @@ def skinny_part_cols(k: int) -> int:
     return best
 
 
-def skinny_segments(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> int:
-    """Segments of K the skinny product splits x ``[rows, k]`` into for a weight of ``weight_rows`` rows
-    (csrc/skinny.cu: skinny_plan), or 0 where it does not take them: 1-16 rows, whole 16-row tiles, and the fewest
-    segments (whole parts) whose x leaves room for three slots of one part in its shared memory; one segment past
-    ``SKINNY_SEGMENT_ROWS`` rows or with the norm prologue (``norm``: the norm's sums need whole rows)."""
+def skinny_plan(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> tuple[int, int] | None:
+    """``(columns per part of K, segments of K)`` of the skinny product for x ``[rows, k]`` by a weight of
+    ``weight_rows`` rows (csrc/skinny.cu: skinny_plan), or None where it does not take them: 1-16 rows, whole 16-row
+    tiles, x and three slots of one part in its shared memory. The parts of :func:`skinny_part_cols`, at up to
+    ``SKINNY_SEGMENT_ROWS`` rows without the norm prologue (``norm``: its sums need whole rows) in the fewest
+    segments that fit; else, in one segment on weights of at most ``SKINNY_SHORT_PARTS_MAX_BYTES``, the longest
+    smaller parts that fit, down to ``SKINNY_MIN_PART_COLS``."""
     kp = skinny_part_cols(k)
     if not 1 <= rows <= SKINNY_ROWS or weight_rows % SKINNY_TILE or kp == 0:
-        return 0
+        return None
+    segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, not norm and rows <= SKINNY_SEGMENT_ROWS)
+    if segs:
+        return kp, segs
+    if weight_rows * k * elem_size > SKINNY_SHORT_PARTS_MAX_BYTES:
+        return None
+    for p in range(kp - 256, SKINNY_MIN_PART_COLS - 1, -256):
+        if k % p == 0 and _skinny_fit(rows, k, weight_rows, elem_size, p, False):
+            return p, 1
+    return None
+
+
+def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, segments: bool) -> int:
+    """The fewest segments of K (one unless ``segments``) whose x and three slots of kp columns fit, or 0."""
     parts, slot = k // kp, SKINNY_TILE * (kp + SKINNY_PAD) * elem_size
-    for segs in range(1, (1 if norm or rows > SKINNY_SEGMENT_ROWS else parts) + 1):
+    for segs in range(1, (parts if segments else 1) + 1):
         if parts % segs:
             continue
         if segs > 1 and weight_rows // SKINNY_TILE * segs > SKINNY_MAX_SEG_TILES:
@@ -114,9 +133,16 @@ def skinny_segments(rows: int, k: int, weight_rows: int, elem_size: int, norm: b
     return 0
 
 
+def skinny_segments(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> int:
+    """Segments of K the skinny product splits x ``[rows, k]`` into (see :func:`skinny_plan`), or 0 where it does
+    not take them."""
+    plan = skinny_plan(rows, k, weight_rows, elem_size, norm)
+    return plan[1] if plan else 0
+
+
 def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> bool:
     """Whether the skinny product takes x ``[rows, k]`` by a weight of ``weight_rows`` rows (see
-    :func:`skinny_segments`)."""
+    :func:`skinny_plan`)."""
     return skinny_segments(rows, k, weight_rows, elem_size, norm) > 0
 
 
