@@ -173,7 +173,7 @@ def test_the_norm_folds_where_the_copy_engine_gemv_runs_by_its_rule():
 
 def test_skinny_rule_parts_of_k_and_shared_memory():
     """The skinny product's parts of K (a divisor of K, a multiple of 256, nearest 1280: row copies of 2-4 KB) and
-    its size rule (x, or at 5-8 rows the fewest segments of K that divide the parts, and three slots in 218 KB;
+    its size rule (x, or at 1-8 rows the fewest segments of K that divide the parts, and three slots in 218 KB;
     whole rows with the norm; else, on weights of at most 16 MiB, shorter parts down to 512 columns), as
     csrc/skinny.cu plans them."""
     assert [dispatch.skinny_part_cols(k) for k in (2560, 4096, 9216, 1024, 3584, 512, 8200, 72)] == \
@@ -189,6 +189,7 @@ def test_skinny_rule_parts_of_k_and_shared_memory():
     assert plan(8, 3584, 1024, 2) == (1792, 2) and plan(16, 3584, 1024, 2) == (512, 1)   # the 0.8B down
     assert plan(8, 9216, 2560, 2, norm=True) is None                       # the norm needs whole rows; 47 MB
     assert plan(8, 9216, 128, 2) == (1024, 3) and plan(8, 9216, 128, 2, norm=True) == (512, 1)
+    assert plan(3, 16384, 128, 2) == (1024, 1) and plan(4, 16384, 128, 2) == (1024, 2)   # segments at 4 rows too
     assert segs(8, 9216, 16 * 1365, 2) == 3 and segs(4, 9216, 16 * 1366, 2) == 1
     assert plan(8, 9216, 16 * 1366, 2) is None                             # 4098 tiles x segments; 403 MB
     assert not fits(17, 2560, 18432, 2) and not fits(0, 2560, 18432, 2)

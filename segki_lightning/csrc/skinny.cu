@@ -28,7 +28,7 @@
 // (results/one_row_kernel/); so do 2, 3-4 and 5-8 rows (1896-2824 instead of 4736): 0.8B b=2 +5.5 %, b=4 / b=8
 // +2.0 %, 4B within 1 % (results/row_kernels/). ldmatrix fragments (no register moves in the mma loop) did not pay.
 //
-// Segments of K, at 5-8 rows: where x of all of K and three slots do not fit in shared memory (the 4B down, K = 9216,
+// Segments of K, at 1-8 rows: where x of all of K and three slots do not fit in shared memory (the 4B down, K = 9216,
 // and the 0.8B down, K = 3584, at 7-8 rows), the grid splits into `segs` groups of blocks, group g taking every tile
 // over segment g of K (whole parts) and staging only that segment of x. A group's sums of a tile go to global memory;
 // the block whose sums arrive last (a counter per tile) adds every segment's in segment order and stores the outputs
@@ -88,7 +88,7 @@ struct SkinnyPlan {
 
 constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
 constexpr int kMaxSegTiles = 4096;  // tiles x segments the workspace has room for (the 4B down: 160 x 3)
-constexpr int kSegRows = 8;         // rows of x up to which segments of K are planned (1-4 rows never need them)
+constexpr int kSegRows = 8;         // rows of x up to which segments of K are planned (at 4 rows: K past ~15 000)
 constexpr int kMinPartCols = 512;   // the shortest parts of K planned where the longer ones do not fit (1 KB copies)
 constexpr long kShortPartsMaxBytes = 16l << 20;  // weights up to which shorter parts are planned (skinny_plan)
 
@@ -499,7 +499,7 @@ bool plan_parts(int m, int k, int rows, size_t elem, int kp, bool segments, Skin
 }
 
 // The launch for x [m, k] by a weight of `rows` rows (norm: with the norm prologue), or false where this path does
-// not take it: the parts of part_cols, in segments of K at 5-8 rows (kSegRows) where all of x does not fit (one
+// not take it: the parts of part_cols, in segments of K at 1-8 rows (kSegRows) where all of x does not fit (one
 // segment where the launch normalizes x: the sums need whole rows); else, in one segment on weights of at most
 // kShortPartsMaxBytes, the longest smaller parts that fit, down to kMinPartCols. Against cuBLAS at 16 rows
 // (results/short_parts/): the 0.8B down (7.3 MB) in parts of 512 columns, decode 0.8B b=16 +7.3 %, b=12 +8.0 %;
@@ -582,13 +582,15 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
 }
 
 // The instantiation for a.m rows: 1, 2, 3-4, 5-8 and 9-16 rows each have their own, holding only their staging
-// (less code on the decode path: results/one_row_kernel/, results/row_kernels/); 5-8 rows in segments of K one more.
+// (less code on the decode path: results/one_row_kernel/, results/row_kernels/); 1-8 rows in segments of K one more
+// (skinny_plan plans them at up to kSegRows rows only).
 template <typename T, bool GATED>
 void launch_rows(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  if (a.m == 1) launch<T, 1, GATED>(a, plan);
+  static_assert(kSegRows == 8, "the segments' instantiation takes up to 8 rows");
+  if (a.segs > 1) launch<T, 8, GATED, true>(a, plan);
+  else if (a.m == 1) launch<T, 1, GATED>(a, plan);
   else if (a.m == 2) launch<T, 2, GATED>(a, plan);
   else if (a.m <= 4) launch<T, 4, GATED>(a, plan);
-  else if (a.m <= 8 && a.segs > 1) launch<T, 8, GATED, true>(a, plan);
   else if (a.m <= 8) launch<T, 8, GATED>(a, plan);
   else launch<T, 16, GATED>(a, plan);
 }
@@ -626,7 +628,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), norm_w.has_value(), plan), op, ": x ",
               x.sizes(), " by weight ", w.sizes(), norm_w.has_value() ? " with a norm" : "",
               " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile, ", K with a part of 256-2048 "
-              "columns, x (at 5-", kSegRows, " rows without a norm, a segment of K) and ", kMinSlots, " slots within ",
+              "columns, x (at 1-", kSegRows, " rows without a norm, a segment of K) and ", kMinSlots, " slots within ",
               kSmemBytes / 1024, " KB); use linear");
   const Workspace ws = workspace();
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {

@@ -70,7 +70,7 @@ FOLD_ROWS = 2
 # the step (benchmarks/results/staging16/: routed with the norm inside, 4B b=16 4143 -> 3885 tok/s; with the norm
 # as its own kernel 4143, 0.8B 11 340 -> 12 886; with x copied in at once, 4B 4233, 0.8B 12 891; the norm inside
 # with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
-# (skinny_fits) also bounds rows x K; at 5-8 rows, where all of K does not fit, groups of blocks each take a segment
+# (skinny_fits) also bounds rows x K; at 1-8 rows, where all of K does not fit, groups of blocks each take a segment
 # of K, their sums added across groups (skinny_segments: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
 # 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments lost to cuBLAS (4B b=16 -2.1 %);
 # there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512 columns: 0.8B b=16

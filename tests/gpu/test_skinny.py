@@ -22,7 +22,8 @@ def native():
 # name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, small ones whose tiles split over
 # blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), few tiles of many parts, and
 # split tiles in segments of K (K = 9216 at 7-8 rows: three groups of blocks, as many_parts and 4b_down; 08b_down two),
-# and split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down)
+# split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down), and a
+# K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8)
 SHAPES = {
     "4b_gate_up": (2 * 9216, 2560, True), "4b_gdn_in": (12352, 2560, False), "4b_o_proj": (2560, 4096, False),
     "4b_down": (2560, 9216, False), "08b_gate_up": (2 * 3584, 1024, True), "08b_down": (1024, 3584, False),
@@ -30,6 +31,7 @@ SHAPES = {
     "split_tiles": (16 * 200, 2560, False), "split_gated": (16 * 200, 2560, True), "few_tiles": (16 * 5, 512, False),
     "split_segments": (16 * 200, 9216, False), "split_segments_gated": (16 * 200, 9216, True),
     "split_short_parts": (16 * 140, 3584, False), "split_short_parts_gated": (16 * 140, 3584, True),
+    "wide_k": (16 * 12, 16384, False), "wide_k_gated": (16 * 12, 16384, True),
 }
 ROWS = [1, 2, 3, 5, 8, 9, 16]
 
@@ -53,7 +55,7 @@ def test_skinny_product_against_the_fp32_reference(shape, rows, dtype):
     assert_every_element(got, want(x, w, gated), dtype)
 
 
-@pytest.mark.parametrize("shape", ["split_tiles", "many_parts", "split_segments", "split_short_parts"])
+@pytest.mark.parametrize("shape", ["split_tiles", "many_parts", "split_segments", "split_short_parts", "wide_k"])
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])
 def test_skinny_product_is_deterministic_and_replays_in_a_graph(rows, shape):
     """Split tiles and segments of K are summed in one order every launch (and their flags and counters zeroed for
