@@ -203,6 +203,29 @@ def test_dispatch_routes_the_4b_projections_at_up_to_16_rows_to_it(rows, monkeyp
     assert calls == []
 
 
+@pytest.mark.parametrize("k", [1024, 2048, 2560, 3584, 4096, 6144, 9216, 12288, 16384])
+def test_the_op_takes_exactly_what_dispatch_says_fits(k):
+    """dispatch.skinny_fits mirrors the plan of csrc/skinny.cu (parts, segments of K, shorter parts under a weight
+    size bound), so decode never sends the op what it refuses: at 1-17 rows, with and without the norm prologue, on
+    a small weight and on one just over the shorter parts' bound, the op runs where dispatch says it fits (within
+    tolerance of the reference on the small weight) and refuses elsewhere."""
+    over = 16 * (dispatch.SKINNY_SHORT_PARTS_MAX_BYTES // (16 * k * 2) + 1)
+    for n in (32, over):
+        w = randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+        for rows in range(1, 18):
+            x, nw = randn(rows, k, dtype=torch.bfloat16), randn(k, dtype=torch.bfloat16, scale=0.2)
+            for norm_w in (None, nw):
+                args = (x, w, None, False, norm_w, 1e-6, False)
+                if not dispatch.skinny_fits(rows, k, n, 2, norm=norm_w is not None):
+                    with pytest.raises(RuntimeError, match="outside this path"):
+                        torch.ops.segki.skinny_linear(*args)
+                    continue
+                got = torch.ops.segki.skinny_linear(*args)
+                if n == 32:
+                    ref = R.skinny_linear(*f32(x, w), None, False, None if norm_w is None else norm_w.float(), 1e-6)
+                    assert rel_err(got, ref) < TOL[torch.bfloat16], (rows, norm_w is not None)
+
+
 def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
     x, w = randn(17, 2560, dtype=torch.bfloat16), randn(256, 2560, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="outside this path.*use linear"):
