@@ -71,7 +71,7 @@ FOLD_ROWS = 2
 # as its own kernel 4143, 0.8B 11 340 -> 12 886; with x copied in at once, 4B 4233, 0.8B 12 891; the norm inside
 # with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
 # (skinny_fits) also bounds rows x K; at 1-8 rows, where all of K does not fit, groups of blocks each take a segment
-# of K, their sums added across groups (skinny_segments: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
+# of K, their sums added across groups (skinny_plan: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
 # 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments lost to cuBLAS (4B b=16 -2.1 %);
 # there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512 columns: 0.8B b=16
 # +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %, benchmarks/results/short_parts/). The 4B
@@ -133,17 +133,10 @@ def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, se
     return 0
 
 
-def skinny_segments(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> int:
-    """Segments of K the skinny product splits x ``[rows, k]`` into (see :func:`skinny_plan`), or 0 where it does
-    not take them."""
-    plan = skinny_plan(rows, k, weight_rows, elem_size, norm)
-    return plan[1] if plan else 0
-
-
 def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> bool:
     """Whether the skinny product takes x ``[rows, k]`` by a weight of ``weight_rows`` rows (see
     :func:`skinny_plan`)."""
-    return skinny_segments(rows, k, weight_rows, elem_size, norm) > 0
+    return skinny_plan(rows, k, weight_rows, elem_size, norm) is not None
 
 
 def _rows(x: Tensor) -> int:
