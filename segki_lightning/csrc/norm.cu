@@ -8,52 +8,69 @@ namespace {
 
 constexpr int kThreads = 256;
 
+constexpr int kStride = kThreads * 8;  // columns between a thread's stretches of 8
+constexpr int kHeld = 2;                // stretches a thread keeps in registers: rows up to 4096 wide (the 4B's 2560)
+
 template <typename T, bool ADD>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
                                                             const T* __restrict__ w, T* __restrict__ out,
                                                             T* __restrict__ new_res, int h, float eps,
                                                             bool unit_offset) {
-  pdl_start();  // everything below reads what earlier kernels wrote
   __shared__ float scratch[32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * h;
   const int i0 = threadIdx.x * 8;
-  // The weight of the thread's first 8 columns is requested with the row, and those columns' values stay in
-  // registers: pass 2 then reads nothing from memory for them (rows up to kThreads * 8 wide, the 0.8B's 1024,
-  // read nothing at all), where it paid a round trip after the reduction's barriers.
-  const uint4 w0 = i0 < h ? ld_cached(w + i0) : make_uint4(0, 0, 0, 0);
-  float v0[8] = {};
+  // The held stretches' weights go out before the wait (a parameter no kernel of the step writes); their x (and
+  // residual) all at once after it, so pass 2 reads nothing from memory for them: the 4B's 2560-wide rows took a
+  // second round trip for the second stretch's weight after the reduction's barriers, and one for its x.
+  uint4 wq[kHeld], xq[kHeld], rq[kHeld];
+#pragma unroll
+  for (int s = 0; s < kHeld; ++s)
+    wq[s] = i0 + s * kStride < h ? ld_cached(w + i0 + s * kStride) : make_uint4(0, 0, 0, 0);
+  pdl_start();  // everything below reads what earlier kernels wrote
+#pragma unroll
+  for (int s = 0; s < kHeld; ++s) {
+    const int i = i0 + s * kStride;
+    xq[s] = i < h ? ld_cached(xr + i) : make_uint4(0, 0, 0, 0);
+    if constexpr (ADD) rq[s] = i < h ? ld_cached(res + row * h + i) : make_uint4(0, 0, 0, 0);
+  }
+  float held[kHeld][8] = {};
   float ss = 0.f;
-  for (int i = i0; i < h; i += kThreads * 8) {  // pass 1: (add,) sum of squares
-    float v[8];
-    unpack8<T>(ld_cached(xr + i), v);
+  // pass 1: (add,) sum of squares, stretch by stretch in column order (the held ones first: the same order as one loop)
+  auto add_in = [&](float (&v)[8], const uint4& xv, const uint4& rv, int i) {
+    unpack8<T>(xv, v);
     if constexpr (ADD) {
       float r[8];
-      unpack8<T>(ld_cached(res + row * h + i), r);
+      unpack8<T>(rv, r);
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = round_to<T>(r[j] + v[j]);
       *reinterpret_cast<uint4*>(new_res + row * h + i) = pack8<T>(v);
     }
     ss = add_squares8(v, ss);
-    if (i == i0)
+  };
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v0[j] = v[j];
+  for (int s = 0; s < kHeld; ++s)
+    if (i0 + s * kStride < h) add_in(held[s], xq[s], rq[s], i0 + s * kStride);
+  for (int i = i0 + kHeld * kStride; i < h; i += kStride) {
+    float v[8];
+    add_in(v, ld_cached(xr + i), ADD ? ld_cached(res + row * h + i) : make_uint4(0, 0, 0, 0), i);
   }
   const float inv = rms_inverse(block_sum(ss, scratch), h, eps);
-  const T* src = ADD ? new_res + row * h : xr;
-  for (int i = i0; i < h; i += kThreads * 8) {  // pass 2: normalize and scale
-    float v[8], wf[8];
-    if (i == i0) {  // the same values as the memory holds (new_res is stored from exactly these)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = v0[j];
-      unpack8<T>(w0, wf);
-    } else {
-      unpack8<T>(ADD ? *reinterpret_cast<const uint4*>(src + i) : ld_cached(src + i), v);
-      unpack8<T>(ld_cached(w + i), wf);
-    }
+  auto scale_out = [&](float (&v)[8], const uint4& wv, int i) {
+    float wf[8];
+    unpack8<T>(wv, wf);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = rms_scaled<T>(v[j], inv, wf[j], unit_offset);
     *reinterpret_cast<uint4*>(out + row * h + i) = pack8<T>(v);
+  };
+#pragma unroll
+  for (int s = 0; s < kHeld; ++s)  // pass 2: normalize and scale; the held values are the ones memory holds
+    if (i0 + s * kStride < h) scale_out(held[s], wq[s], i0 + s * kStride);
+  const T* src = ADD ? new_res + row * h : xr;
+  for (int i = i0 + kHeld * kStride; i < h; i += kStride) {
+    float v[8];
+    unpack8<T>(ADD ? *reinterpret_cast<const uint4*>(src + i) : ld_cached(src + i), v);
+    scale_out(v, ld_cached(w + i), i);
   }
 }
 

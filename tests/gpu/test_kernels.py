@@ -129,7 +129,8 @@ def test_linear_with_the_residual_add_in_its_epilogue(batch, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("unit_offset", [False, True], ids=["w", "1+w"])
-@pytest.mark.parametrize("rows,h", [(1, 2560), (7, 1024), (16, 2560), (3, 264)])
+# widths: one stretch of 8 columns a thread, two (kept in registers), and past two (4104: a third for one thread)
+@pytest.mark.parametrize("rows,h", [(1, 2560), (7, 1024), (16, 2560), (3, 264), (1, 4104), (2, 6144)])
 def test_rms_norm_and_residual_add(rows, h, unit_offset, dtype):
     x, res, w = randn(rows, h, dtype=dtype), randn(rows, h, dtype=dtype), randn(h, dtype=dtype, scale=0.3)
     poison((rows, h), dtype=dtype)
