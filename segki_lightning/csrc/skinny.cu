@@ -35,7 +35,14 @@
 // (deterministic: the same order whichever block is last). Decode against cuBLAS there: 0.8B b=8 +7.4 %, 4B b=8 +0.5 %
 // (results/segments/run2/). At 9-16 rows they lost to cuBLAS: the 4B o_proj / out_proj in two segments took ~14 us and
 // the down in three ~24.5 us without PDL (cuBLAS ~10.7 and ~18 with its split-K reduction), 4B b=16 -2.1 %
-// (results/segments/run1_to_16_rows/).
+// (results/segments/run1_to_16_rows/), most of it likely in those tile ends, which stall the consumers on the counter.
+//
+// Deferred segments, at 9-16 rows: where x of all of K and three slots do not fit (the 4B o_proj / out_proj, K = 4096,
+// and down, K = 9216, above 16 MiB: shorter parts are planned first), each group stores its sums of a tile to a
+// buffer [segs][m][weight rows] as a plain store, with no counter and no wait, and a second launch
+// (sum_segments_kernel) adds the segments in segment order and applies the epilogue (rounded, plus the residual;
+// gated, the SiLU-mul): the same arithmetic as the gathered segments. It replaces cuBLAS's product, its split-K
+// reduction and the residual add there.
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
@@ -71,8 +78,9 @@ struct SkinnyArgs {
   T* out;             // [m, n]
   float* partial;     // [grid][kMaxRows * kTile]: the partial sums of the tile a block starts inside
   int* ready;         // [grid]: set by the block that published them, reset by the block that consumed them
-  float* seg_sums;    // [tiles][segs][kMaxRows * kTile]: each segment's sums of a tile (segs > 1)
-  int* arrived;       // [tiles]: segments whose sums are in, reset by the block that added them (segs > 1)
+  float* seg_sums;    // [tiles][segs][kMaxRows * kTile]: each segment's sums of a tile (gathered segments)
+  int* arrived;       // [tiles]: segments whose sums are in, reset by the block that added them (gathered)
+  float* seg_out;     // [segs][m][weight rows]: each segment's sums, added by sum_segments_kernel (deferred)
   int m, k, n;        // n: output columns
   int kp, parts;      // columns per part of K, parts per segment (kp a multiple of 8 warps x 32)
   int segs, ks;       // segments of K (groups of blocks), columns per segment: ks = parts * kp
@@ -84,11 +92,17 @@ struct SkinnyArgs {
 struct SkinnyPlan {
   int kp = 0, parts = 0, segs = 0, slots = 0;
   long smem = 0;
+  bool deferred = false;  // segs > 1 at 9-16 rows: the segments' sums added by a second launch
 };
+
+// How a launch's segments of K meet: one segment (all of K); gathered by the block whose sums come last (1-8 rows);
+// deferred to sum_segments_kernel (9-16 rows). Each mode is an instantiation of its own.
+enum SegMode : int { kWhole = 0, kGathered = 1, kDeferred = 2 };
 
 constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
 constexpr int kMaxSegTiles = 4096;  // tiles x segments the workspace has room for (the 4B down: 160 x 3)
-constexpr int kSegRows = 8;         // rows of x up to which segments of K are planned (at 4 rows: K past ~15 000)
+constexpr int kSegRows = 8;         // rows of x up to which segments of K are gathered (at 4 rows: K past ~15 000);
+                                    // past them, deferred
 constexpr int kMinPartCols = 512;   // the shortest parts of K planned where the longer ones do not fit (1 KB copies)
 constexpr long kShortPartsMaxBytes = 16l << 20;  // weights up to which shorter parts are planned (skinny_plan)
 
@@ -250,10 +264,10 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 // Segment `seg` of x [m, K] (its ks columns) into shared memory (rows ks + kPad apart) for the block's life,
 // normalized when the launch has a norm. MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel
 // holds the one staging it runs.
-template <typename T, int MAXM, bool STAMP>
+template <typename T, int MAXM, bool NORM, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, int seg, T* xs, float (*scratch)[32], uint4 w0,
                                         uint4 w1, Stamps& st) {
-  if (a.norm_w == nullptr) {  // every copy in flight at once: one round trip, whatever the rows
+  if (!NORM || a.norm_w == nullptr) {  // every copy in flight at once: one round trip, whatever the rows
     const T* x = a.x + (size_t)seg * a.ks;
     for (int i = threadIdx.x; i < a.m * a.ks / 8; i += kConsumers) {
       const int r = i / (a.ks / 8), c = (i - r * (a.ks / 8)) * 8;
@@ -264,7 +278,7 @@ __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, int seg, T* xs, 
     mark<STAMP>(st, kReduced);
     return;
   }
-  stage_normed<T, MAXM, STAMP>(a, xs, scratch, w0, w1, st);  // sums for the rows there are (rounded up)
+  if constexpr (NORM) stage_normed<T, MAXM, STAMP>(a, xs, scratch, w0, w1, st);  // sums for the rows there are
 }
 
 __device__ __forceinline__ void publish(int* flag) {
@@ -329,9 +343,10 @@ __device__ __forceinline__ void store_output(const SkinnyArgs<T>& a, int t, int 
 
 // How a block finishes tile `t` after the warps' sums are in `red`. head: the block started inside the tile, so
 // it publishes its sums for the block before it. tail: the block ends inside the tile, so it adds the next
-// block's published sums to its own. Then it stores the outputs, or with segments of K passes the group's sums on
-// (gather_segments) and stores them only where they came last.
-template <typename T, bool GATED, bool SEGS>
+// block's published sums to its own. Then it stores the outputs; with gathered segments of K it passes the group's
+// sums on (gather_segments) and stores them only where they came last; with deferred ones it stores the group's
+// sums for sum_segments_kernel.
+template <typename T, bool GATED, int SEGS>
 __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, int seg, bool head, bool tail,
                                             float (*red)[kMaxRows][kRedStride], int* last) {
   const int i = threadIdx.x;
@@ -353,15 +368,20 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, int s
     if (mine) v += __ldcg(a.partial + (size_t)(blockIdx.x + 1) * kMaxRows * kTile + i);
     if (i == 0) a.ready[blockIdx.x + 1] = 0;  // consumed: zero again for the next launch
   }
-  if constexpr (SEGS) {
+  if constexpr (SEGS == kDeferred) {
+    const int wrows = GATED ? 2 * a.n : a.n;
+    if (mine) a.seg_out[((size_t)seg * a.m + xr) * wrows + tile_row<GATED>(a, t, r)] = v;
+    return;
+  }
+  if constexpr (SEGS == kGathered) {
     if (!gather_segments(a, t, seg, mine, v, last)) return;
   }
   store_output<T, GATED>(a, t, xr, r, mine, v);
 }
 
-// SEGS: the launch has segments of K (a.segs > 1; an instantiation of its own, so that the others carry none of its
+// SEGS: how the launch's segments of K meet (SegMode; an instantiation each, so that the others carry none of its
 // code).
-template <typename T, int MAXM, bool GATED, bool SEGS, bool STAMP>
+template <typename T, int MAXM, bool GATED, int SEGS, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
   constexpr int NB = (MAXM + 7) / 8;  // mma N-groups of 8 rows of x
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
@@ -376,7 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   T* xs = ring + a.slots * slot_elems;
   // the block's segment of K: blocks [b0, b0 + group) are group seg; its units split in equal contiguous ranges
   int seg = 0, b0 = 0, group = (int)gridDim.x;
-  if constexpr (SEGS) {
+  if constexpr (SEGS != kWhole) {
     while ((seg + 1) * (int)gridDim.x / a.segs <= (int)blockIdx.x) ++seg;
     b0 = seg * (int)gridDim.x / a.segs;
     group = (seg + 1) * (int)gridDim.x / a.segs - b0;
@@ -418,7 +438,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   pdl_wait();
   mark<STAMP>(st, kWaited);
   // red is free until the first tile ends
-  stage_x<T, MAXM, STAMP>(a, seg, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
+  stage_x<T, MAXM, SEGS == kWhole, STAMP>(a, seg, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
@@ -501,19 +521,23 @@ bool plan_parts(int m, int k, int rows, size_t elem, int kp, bool segments, Skin
 // The launch for x [m, k] by a weight of `rows` rows (norm: with the norm prologue), or false where this path does
 // not take it: the parts of part_cols, in segments of K at 1-8 rows (kSegRows) where all of x does not fit (one
 // segment where the launch normalizes x: the sums need whole rows); else, in one segment on weights of at most
-// kShortPartsMaxBytes, the longest smaller parts that fit, down to kMinPartCols. Against cuBLAS at 16 rows
-// (results/short_parts/): the 0.8B down (7.3 MB) in parts of 512 columns, decode 0.8B b=16 +7.3 %, b=12 +8.0 %;
-// the 4B o_proj / out_proj (21 MB) so took 13.2 us without PDL, 4B b=16 -1.4 %.
+// kShortPartsMaxBytes, the longest smaller parts that fit, down to kMinPartCols; else, at 9-16 rows without a norm,
+// in deferred segments. Against cuBLAS at 16 rows (results/short_parts/): the 0.8B down (7.3 MB) in parts of 512
+// columns, decode 0.8B b=16 +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj (21 MB) so took 13.2 us without PDL, 4B
+// b=16 -1.4 %.
 bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& plan) {
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
   const int kp = part_cols(k);
   if (kp == 0) return false;
   if (plan_parts(m, k, rows, elem, kp, !norm && m <= kSegRows, plan)) return true;
-  if ((long)rows * k * (long)elem > kShortPartsMaxBytes) return false;
-  for (int p = kp - kWarps * 32; p >= kMinPartCols; p -= kWarps * 32) {
-    if (k % p == 0 && plan_parts(m, k, rows, elem, p, false, plan)) return true;
+  if ((long)rows * k * (long)elem <= kShortPartsMaxBytes) {
+    for (int p = kp - kWarps * 32; p >= kMinPartCols; p -= kWarps * 32) {
+      if (k % p == 0 && plan_parts(m, k, rows, elem, p, false, plan)) return true;
+    }
   }
-  return false;
+  if (norm || m <= kSegRows || !plan_parts(m, k, rows, elem, kp, true, plan)) return false;
+  plan.deferred = true;  // segs > 1: one segment did not fit above
+  return true;
 }
 
 // Per device: the partial sums and flags of split tiles, allocated zeroed on the first product (outside graph
@@ -556,7 +580,7 @@ Workspace workspace() {
 // measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A grid
 // capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B 357.2 -> 351.1;
 // 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
-template <typename T, int MAXM, bool GATED, bool SEGS = false>
+template <typename T, int MAXM, bool GATED, int SEGS = kWhole>
 void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false>;
   allow_dynamic_smem<kernel>(kSmemBytes);
@@ -582,17 +606,64 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
 }
 
 // The instantiation for a.m rows: 1, 2, 3-4, 5-8 and 9-16 rows each have their own, holding only their staging
-// (less code on the decode path: results/one_row_kernel/, results/row_kernels/); 1-8 rows in segments of K one more
-// (skinny_plan plans them at up to kSegRows rows only).
+// (less code on the decode path: results/one_row_kernel/, results/row_kernels/); segments of K two more, gathered
+// at 1-8 rows (kSegRows) and deferred at 9-16.
 template <typename T, bool GATED>
 void launch_rows(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  static_assert(kSegRows == 8, "the segments' instantiation takes up to 8 rows");
-  if (a.segs > 1) launch<T, 8, GATED, true>(a, plan);
+  static_assert(kSegRows == 8, "the gathered segments' instantiation takes up to 8 rows");
+  if (plan.deferred) launch<T, 16, GATED, kDeferred>(a, plan);
+  else if (a.segs > 1) launch<T, 8, GATED, kGathered>(a, plan);
   else if (a.m == 1) launch<T, 1, GATED>(a, plan);
   else if (a.m == 2) launch<T, 2, GATED>(a, plan);
   else if (a.m <= 4) launch<T, 4, GATED>(a, plan);
   else if (a.m <= 8) launch<T, 8, GATED>(a, plan);
   else launch<T, 16, GATED>(a, plan);
+}
+
+constexpr int kSumThreads = 256;
+
+// Deferred segments: out [m, n] from each segment's sums [segs][m][weight rows], added in segment order from zero as
+// gather_segments adds them, then store_output's epilogue (rounded, plus the residual; gated, silu(round(gate)) *
+// round(up)). Four outputs a thread (n is a multiple of 8).
+template <typename T, bool GATED>
+__global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* __restrict__ sums,
+                                                                   const T* __restrict__ residual,
+                                                                   T* __restrict__ out, int segs, int m, int n) {
+  pdl_start();
+  const int o = (blockIdx.x * kSumThreads + threadIdx.x) * 4;  // the first of its four outputs
+  if (o >= m * n) return;
+  const int xr = o / n, c = o - xr * n, wrows = GATED ? 2 * n : n;
+  auto added = [&](int col, float (&v)[4]) {  // column col..col+3 of row xr, every segment in order
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = 0.f;
+    for (int s = 0; s < segs; ++s) {
+      const float4 p = __ldcg(reinterpret_cast<const float4*>(sums + ((size_t)s * m + xr) * wrows + col));
+      v[0] += p.x, v[1] += p.y, v[2] += p.z, v[3] += p.w;
+    }
+  };
+  float v[4];
+  added(c, v);
+  if constexpr (GATED) {
+    float up[4];
+    added(n + c, up);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[o + j] = from_float<T>(silu(round_to<T>(v[j])) * round_to<T>(up[j]));
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float y = round_to<T>(v[j]);
+      if (residual) y += to_float<T>(residual[o + j]);
+      out[o + j] = from_float<T>(y);
+    }
+  }
+}
+
+template <typename T>
+void launch_sum(const SkinnyArgs<T>& a, bool gated) {
+  const int blocks = (a.m * a.n / 4 + kSumThreads - 1) / kSumThreads;
+  const auto kernel = gated ? sum_segments_kernel<T, true> : sum_segments_kernel<T, false>;
+  launch_pdl(kernel, dim3(blocks), dim3(kSumThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
+             (const float*)a.seg_out, a.residual, a.out, a.segs, a.m, a.n);
 }
 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
@@ -628,9 +699,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), norm_w.has_value(), plan), op, ": x ",
               x.sizes(), " by weight ", w.sizes(), norm_w.has_value() ? " with a norm" : "",
               " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile, ", K with a part of 256-2048 "
-              "columns, x (at 1-", kSegRows, " rows without a norm, a segment of K) and ", kMinSlots, " slots within ",
+              "columns, x (without a norm, a segment of K) and ", kMinSlots, " slots within ",
               kSmemBytes / 1024, " KB); use linear");
   const Workspace ws = workspace();
+  // deferred segments: each segment's sums, from the stream's allocator (a captured graph keeps its own)
+  const at::Tensor seg_out = plan.deferred ? at::empty({plan.segs, m, w.size(0)}, x.options().dtype(at::kFloat))
+                                           : at::Tensor();
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     SkinnyArgs<T> a{};
     a.x = reinterpret_cast<const T*>(x.data_ptr());
@@ -644,6 +718,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.ready = ws.ready;
     a.seg_sums = ws.seg_sums;
     a.arrived = ws.arrived;
+    a.seg_out = plan.deferred ? seg_out.data_ptr<float>() : nullptr;
     a.m = (int)m;
     a.k = (int)k;
     a.n = (int)n;
@@ -655,6 +730,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.slots = plan.slots;
     if (gated) launch_rows<T, true>(a, plan);
     else launch_rows<T, false>(a, plan);
+    if (plan.deferred) launch_sum<T>(a, gated);
   });
   return out;
 }

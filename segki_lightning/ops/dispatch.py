@@ -72,16 +72,17 @@ FOLD_ROWS = 2
 # with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
 # (skinny_fits) also bounds rows x K; at 1-8 rows, where all of K does not fit, groups of blocks each take a segment
 # of K, their sums added across groups (skinny_plan: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
-# 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments lost to cuBLAS (4B b=16 -2.1 %);
-# there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512 columns: 0.8B b=16
-# +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %, benchmarks/results/short_parts/). The 4B
-# o_proj, out_proj and down stay on cuBLAS at 16 rows.
+# 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments so gathered lost to cuBLAS (4B
+# b=16 -2.1 %); there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512
+# columns: 0.8B b=16 +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %,
+# benchmarks/results/short_parts/), and larger ones deferred segments: each group stores its sums, a second launch
+# adds them (the 4B o_proj, out_proj and down at 9-16 rows).
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 16
 SKINNY_FOLD_ROWS = 8
 SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 16, 32, 218 * 1024, 3
-SKINNY_SEGMENT_ROWS, SKINNY_MAX_SEG_TILES = 8, 4096   # rows up to which it plans segments; tiles x segments it holds
+SKINNY_SEGMENT_ROWS, SKINNY_MAX_SEG_TILES = 8, 4096   # rows up to which segments are gathered; tiles x segments
 SKINNY_MIN_PART_COLS = 512    # the shortest parts of K it plans where the longer ones do not fit (1 KB row copies)
 SKINNY_SHORT_PARTS_MAX_BYTES = 16 * 2**20   # weights up to which it plans them (the 0.8B down 7.3 MB, not 4B's 21)
 
@@ -105,19 +106,22 @@ def skinny_plan(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool 
     tiles, x and three slots of one part in its shared memory. The parts of :func:`skinny_part_cols`, at up to
     ``SKINNY_SEGMENT_ROWS`` rows without the norm prologue (``norm``: its sums need whole rows) in the fewest
     segments that fit; else, in one segment on weights of at most ``SKINNY_SHORT_PARTS_MAX_BYTES``, the longest
-    smaller parts that fit, down to ``SKINNY_MIN_PART_COLS``."""
+    smaller parts that fit, down to ``SKINNY_MIN_PART_COLS``; else, past ``SKINNY_SEGMENT_ROWS`` rows without the
+    norm, in the fewest segments that fit (deferred: their sums added by a second launch)."""
     kp = skinny_part_cols(k)
     if not 1 <= rows <= SKINNY_ROWS or weight_rows % SKINNY_TILE or kp == 0:
         return None
     segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, not norm and rows <= SKINNY_SEGMENT_ROWS)
     if segs:
         return kp, segs
-    if weight_rows * k * elem_size > SKINNY_SHORT_PARTS_MAX_BYTES:
+    if weight_rows * k * elem_size <= SKINNY_SHORT_PARTS_MAX_BYTES:
+        for p in range(kp - 256, SKINNY_MIN_PART_COLS - 1, -256):
+            if k % p == 0 and _skinny_fit(rows, k, weight_rows, elem_size, p, False):
+                return p, 1
+    if norm or rows <= SKINNY_SEGMENT_ROWS:
         return None
-    for p in range(kp - 256, SKINNY_MIN_PART_COLS - 1, -256):
-        if k % p == 0 and _skinny_fit(rows, k, weight_rows, elem_size, p, False):
-            return p, 1
-    return None
+    segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, True)
+    return (kp, segs) if segs else None
 
 
 def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, segments: bool) -> int:

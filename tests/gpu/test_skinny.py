@@ -21,7 +21,8 @@ def native():
 
 # name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, small ones whose tiles split over
 # blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), few tiles of many parts, and
-# split tiles in segments of K (K = 9216 at 7-8 rows: three groups of blocks, as many_parts and 4b_down; 08b_down two),
+# split tiles in segments of K (K = 9216 at 7-16 rows: three groups of blocks, as many_parts and 4b_down, gathered at
+# 7-8 rows and deferred at 9-16; 08b_down two at 7-8; 4b_o_proj two at 13-16, deferred),
 # split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down), and a
 # K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8)
 SHAPES = {
@@ -104,6 +105,26 @@ def test_one_row_is_bit_for_bit_the_first_row_of_two(shape, residual):
     one = torch.ops.segki.skinny_linear(x[:1].clone(), w, None if res is None else res[:1].clone(), gated)
     assert torch.equal(one, two[:1])
     assert rel_err(one, want(x[:1], w, gated, None if res is None else res[:1])) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("shape", ["4b_down", "split_segments", "split_segments_gated", "many_parts_gated"])
+def test_deferred_segments_hold_the_gathered_segments_bits(shape, residual):
+    """At 9-16 rows the segments' sums are added by a second launch, at 1-8 by the block whose sums come last: the
+    same groups, tiles and order, so the first 8 rows of 16 are the bits of those 8 rows alone (the 4B down: three
+    segments either way; tiles split between blocks plain and gated)."""
+    n, k, gated = SHAPES[shape]
+    if gated and residual:
+        pytest.skip("the gated product takes no residual")
+    assert dispatch.skinny_plan(16, k, n, 2) == dispatch.skinny_plan(8, k, n, 2) == (1024, 3)
+    x, w = randn(16, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    res = randn(16, n, dtype=torch.bfloat16) if residual else None
+    poison((16, n // 2 if gated else n), dtype=torch.bfloat16)
+    sixteen = torch.ops.segki.skinny_linear(x, w, res, gated)
+    poison((8, n // 2 if gated else n), dtype=torch.bfloat16)
+    eight = torch.ops.segki.skinny_linear(x[:8].clone(), w, None if res is None else res[:8].clone(), gated)
+    assert torch.equal(sixteen[:8], eight)
+    assert rel_err(sixteen, want(x, w, gated, res)) < TOL[torch.bfloat16]
 
 
 NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "many_parts"]
