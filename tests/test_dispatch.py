@@ -218,6 +218,42 @@ def test_skinny_reference_is_the_linear_and_gated_front_references():
                        R.linear(R.rms_norm(x, nw, 1e-6, False), wg, None, res))
 
 
+@pytest.mark.parametrize("rows", [12, 16])
+def test_an_output_projection_in_deferred_segments_hands_its_sums_to_the_norm(rows, monkeypatch):
+    """ops.linear_add_rms_norm: where the skinny product plans the projection in deferred segments of K (the 4B
+    o_proj / out_proj at 13-16 rows), its fp32 sums go to the residual add + norm kernel, with no sum launch of the
+    product's own; elsewhere the projection, then add_rms_norm. On the CPU (natives stubbed) it is the
+    reference composition."""
+    R = reference
+    x, w = torch.randn(rows, 4096).bfloat16(), torch.randn(2560, 4096).bfloat16()
+    res, nw = torch.randn(rows, 2560).bfloat16(), torch.randn(2560).bfloat16()
+    want = R.add_rms_norm(R.linear(x, w), res, nw, 1e-6, True)
+    assert all(torch.equal(g, v) for g, v in zip(ops.linear_add_rms_norm(x, w, None, res, nw, 1e-6, True), want))
+    calls = []
+
+    def native(op):
+        def run(*args):
+            calls.append(op)
+            if op == "skinny_linear_sums":
+                return R.skinny_linear_sums(*args)
+            return getattr(R, op)(*args)
+        return run
+
+    monkeypatch.setattr(dispatch, "_native", native)
+    monkeypatch.setattr(dispatch, "_skinny_ok", lambda *a, **k: True)
+    monkeypatch.setattr(dispatch, "eligible", lambda op, *a, **k: True)
+    got = dispatch.linear_add_rms_norm(x, w, None, res, nw, 1e-6, True)
+    deferred = dispatch.skinny_plan(rows, 4096, 2560, 2)[1] > 1
+    assert deferred == (rows == 16)
+    assert calls == (["skinny_linear_sums", "add_rms_norm_sums"] if deferred else ["skinny_linear", "add_rms_norm"])
+    if deferred:   # the fp32 product rounded once, not F.linear's bf16 product: the sums' reference
+        want = R.add_rms_norm_sums(R.skinny_linear_sums(x, w), res, nw, 1e-6, True)
+    assert all(torch.equal(g, v) for g, v in zip(got, want))
+    calls.clear()
+    dispatch.linear_add_rms_norm(x, w, torch.zeros(2560).bfloat16(), res, nw, 1e-6, True)   # a bias: no sums
+    assert "skinny_linear_sums" not in calls
+
+
 def test_skinny_takes_the_norm_into_its_launch_unless_switched_off(monkeypatch):
     """Where the skinny product takes a packed projection of at most SKINNY_FOLD_ROWS rows, the norm before it rides
     in the same launch; past them, or under SEGKI_FOLD_NORM=0 (dispatch.FOLD_NORM), the norm kernel runs first and

@@ -46,6 +46,21 @@ def test_add_rms_norm_returns_normed_sum_and_sum(unit_offset):
     assert torch.equal(normed, R.rms_norm(res + x, w, 1e-6, unit_offset))
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_add_rms_norm_of_sums_is_the_rounded_sum_in_part_order_then_add_rms_norm(parts):
+    """x given as fp32 sums in parts (a projection's segments of K): added from the first part on, rounded to the
+    residual's dtype, then the residual add + norm; the sums reference adds up to the fp32 product."""
+    sums, res, w = rand(parts, 3, 32, scale=4.0), rand(3, 32, dtype=torch.bfloat16), rand(32, dtype=torch.bfloat16)
+    x = sums[0]
+    for p in sums[1:]:
+        x = x + p
+    got = R.add_rms_norm_sums(sums, res, w, 1e-6, True)
+    want = R.add_rms_norm(x.bfloat16(), res, w, 1e-6, True)
+    assert all(g.dtype == torch.bfloat16 and torch.equal(g, v) for g, v in zip(got, want))
+    xs, ws = rand(3, 64, dtype=torch.bfloat16), rand(32, 64, dtype=torch.bfloat16)
+    assert torch.equal(R.skinny_linear_sums(xs, ws), F.linear(xs.float(), ws.float())[None])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_rms_norm_is_qwen35_gated_norm_exactly(dtype):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated

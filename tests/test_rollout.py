@@ -177,9 +177,9 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
     from segki_lightning import ops
     from segki_lightning.ops import dispatch
 
-    fused = ["linear", "gated_mlp_front", "qkv_proj", "gdn_in_proj", "rms_norm", "add_rms_norm", "decode_attention",
-             "attention_prologue", "decode_attention_step", "gdn_decode_step", "gdn_in_proj_conv", "gdn_recurrent_step",
-             "sample_tokens", "record_tokens"]
+    fused = ["linear", "linear_add_rms_norm", "gated_mlp_front", "qkv_proj", "gdn_in_proj", "rms_norm", "add_rms_norm",
+             "decode_attention", "attention_prologue", "decode_attention_step", "gdn_decode_step", "gdn_in_proj_conv",
+             "gdn_recurrent_step", "sample_tokens", "record_tokens"]
     launches: list[str] = []
     inside = [0]
 
@@ -219,7 +219,7 @@ def test_a_decode_step_launches_no_pytorch_kernel_per_layer(tmp_path, conv_in_pr
         four, eight = per_step(4), per_step(8)
     gdn_ops = {"gdn_in_proj_conv", "gdn_recurrent_step"} if conv_in_projection else {"gdn_in_proj", "gdn_decode_step"}
     assert gdn_ops <= set(launches), "the GDN layers did not take the path under test"
-    assert {"add_rms_norm", "gated_mlp_front"} <= set(launches), launches
+    assert {"linear_add_rms_norm", "gated_mlp_front"} <= set(launches), launches
     assert four == eight, "a PyTorch kernel per layer crept into the decode step"
     assert len(four) <= 5, four   # lengths + 1, embedding, two rotary gathers, the output head
 

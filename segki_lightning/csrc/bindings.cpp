@@ -8,6 +8,8 @@ TORCH_LIBRARY(segki, m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b, Tensor? residual=None) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? residual=None, bool gated=False, Tensor? norm_w=None,"
         " float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor");
+  // the skinny product's fp32 sums in its deferred segments of K, [segs, ..., N], for add_rms_norm_sums
+  m.def("skinny_linear_sums(Tensor x, Tensor w) -> Tensor");
   // the decode step's timeline switch (csrc/timeline.cuh, benchmarks/step_timeline.py; its reference stamps nothing)
   m.def("timeline_stamps(Tensor buf, bool stamp) -> Tensor");
   m.def("gated_mlp_front(Tensor x, Tensor w_gate, Tensor w_up,"
@@ -22,6 +24,8 @@ TORCH_LIBRARY(segki, m) {
         " bool norm_unit_offset=False) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("rms_norm(Tensor x, Tensor w, float eps, bool unit_offset) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
+  // add_rms_norm of x given as fp32 sums [parts, ..., H], added in part order and rounded to the residual's dtype
+  m.def("add_rms_norm_sums(Tensor sums, Tensor residual, Tensor w, float eps, bool unit_offset) -> (Tensor, Tensor)");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float scale,"
         " Tensor? gate=None) -> Tensor");
   m.def("attention_prologue(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor? q_norm_w,"

@@ -1,6 +1,9 @@
 // RMSNorm and residual-add + RMSNorm, one block per row, fp32 statistics, both weight forms:
 //   unit_offset=false: w * to_T(x * rsqrt(mean(x^2) + eps))        (Llama, Qwen3)
 //   unit_offset=true:  to_T(x * rsqrt(mean(x^2) + eps) * (1 + w))  (Qwen3.5), 1 + w from the live weight
+// The residual add also takes x as fp32 sums in parts (add_rms_norm_sums: the deferred segments of K of a skinny
+// product, csrc/skinny.cu), added in part order and rounded as the product's own epilogue would: the product's sum
+// kernel and this one's launch become one.
 #include "common.cuh"
 
 namespace segki {
@@ -11,15 +14,34 @@ constexpr int kThreads = 256;
 constexpr int kStride = kThreads * 8;  // columns between a thread's stretches of 8
 constexpr int kHeld = 2;                // stretches a thread keeps in registers: rows up to 4096 wide (the 4B's 2560)
 
-template <typename T, bool ADD>
-__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const T* __restrict__ res,
+// Eight columns of x from `parts` fp32 sums lying `stride` apart: added in part order from zero, rounded to T.
+template <typename T>
+__device__ __forceinline__ uint4 summed8(const float* __restrict__ sums, int parts, size_t stride, size_t o) {
+  float v[8] = {};
+  for (int s = 0; s < parts; ++s) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(sums + s * stride + o));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(sums + s * stride + o + 4));
+    v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w, v[4] += b.x, v[5] += b.y, v[6] += b.z, v[7] += b.w;
+  }
+  return pack8<T>(v);
+}
+
+// SUMS: x comes as `parts` fp32 sums [parts][rows][h] (with the residual add only).
+template <typename T, bool ADD, bool SUMS>
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ sums,
+                                                            int parts, const T* __restrict__ res,
                                                             const T* __restrict__ w, T* __restrict__ out,
                                                             T* __restrict__ new_res, int h, float eps,
                                                             bool unit_offset) {
+  static_assert(ADD || !SUMS, "x in sums is taken with the residual add");
   __shared__ float scratch[32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * h;
   const int i0 = threadIdx.x * 8;
+  auto x_at = [&](int i) {
+    if constexpr (SUMS) return summed8<T>(sums, parts, (size_t)gridDim.x * h, row * h + i);
+    else return ld_cached(xr + i);
+  };
   // The held stretches' weights go out before the wait (a parameter no kernel of the step writes); their x (and
   // residual) all at once after it, so pass 2 reads nothing from memory for them: the 4B's 2560-wide rows took a
   // second round trip for the second stretch's weight after the reduction's barriers, and one for its x.
@@ -31,7 +53,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
 #pragma unroll
   for (int s = 0; s < kHeld; ++s) {
     const int i = i0 + s * kStride;
-    xq[s] = i < h ? ld_cached(xr + i) : make_uint4(0, 0, 0, 0);
+    xq[s] = i < h ? x_at(i) : make_uint4(0, 0, 0, 0);
     if constexpr (ADD) rq[s] = i < h ? ld_cached(res + row * h + i) : make_uint4(0, 0, 0, 0);
   }
   float held[kHeld][8] = {};
@@ -53,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
     if (i0 + s * kStride < h) add_in(held[s], xq[s], rq[s], i0 + s * kStride);
   for (int i = i0 + kHeld * kStride; i < h; i += kStride) {
     float v[8];
-    add_in(v, ld_cached(xr + i), ADD ? ld_cached(res + row * h + i) : make_uint4(0, 0, 0, 0), i);
+    add_in(v, x_at(i), ADD ? ld_cached(res + row * h + i) : make_uint4(0, 0, 0, 0), i);
   }
   const float inv = rms_inverse(block_sum(ss, scratch), h, eps);
   auto scale_out = [&](float (&v)[8], const uint4& wv, int i) {
@@ -74,24 +96,28 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   }
 }
 
-void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w) {
-  check_cuda_half(x, op, "x", x.scalar_type());
+// x: the rows normalized (`name`: what the op calls them).
+void check_norm(const char* op, const at::Tensor& x, const at::Tensor& w, const char* name = "x") {
+  check_cuda_half(x, op, name, x.scalar_type());
   check_cuda_half(w, op, "weight", x.scalar_type());
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), op, ": weight ", w.sizes(), " does not match width ",
               x.size(-1));
   TORCH_CHECK(x.size(-1) % 8 == 0, op, ": width ", x.size(-1), " must be a multiple of 8");
 }
 
-template <bool ADD>
+// x: the rows [..., h] (of out's dtype), or with SUMS the fp32 sums [parts, ..., h].
+template <bool ADD, bool SUMS = false>
 void launch(const char* op, const at::Tensor& x, const at::Tensor* res, const at::Tensor& w, at::Tensor& out,
             at::Tensor* new_res, double eps, bool unit_offset) {
-  const int h = (int)x.size(-1);
-  const int rows = (int)(x.numel() / h);
+  const int h = (int)out.size(-1);
+  const int rows = (int)(out.numel() / h);
   if (rows == 0) return;
   c10::cuda::CUDAGuard guard(x.device());
-  SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
-    launch_pdl(rms_norm_kernel<T, ADD>, dim3(rows), dim3(kThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
-        reinterpret_cast<const T*>(x.data_ptr()), res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr,
+  SEGKI_DISPATCH_HALF(out.scalar_type(), op, [&] {
+    launch_pdl(rms_norm_kernel<T, ADD, SUMS>, dim3(rows), dim3(kThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
+        SUMS ? nullptr : reinterpret_cast<const T*>(x.data_ptr()),
+        SUMS ? reinterpret_cast<const float*>(x.data_ptr()) : nullptr, SUMS ? (int)x.size(0) : 0,
+        res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr,
         reinterpret_cast<const T*>(w.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
         new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset);
   });
@@ -115,6 +141,19 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, new_res};
 }
 
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_sums(const at::Tensor& sums, const at::Tensor& res,
+                                                     const at::Tensor& w, double eps, bool unit_offset) {
+  const char* op = "segki::add_rms_norm_sums";
+  check_norm(op, res, w, "residual");
+  check_cuda_dtype(sums, op, "sums", at::kFloat);
+  TORCH_CHECK(sums.is_contiguous() && sums.dim() >= 2 && sums.size(0) >= 1 && sums[0].sizes() == res.sizes(), op,
+              ": sums ", sums.sizes(), " must be contiguous [parts, ", res.sizes(), "] (parts >= 1)");
+  auto out = at::empty_like(res);
+  auto new_res = at::empty_like(res);
+  launch<true, true>(op, sums, &res, w, out, &new_res, eps, unit_offset);
+  return {out, new_res};
+}
+
 }  // namespace
 
 at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset) {
@@ -124,6 +163,7 @@ at::Tensor rms_norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, b
 TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("add_rms_norm_sums", &add_rms_norm_sums);
 }
 
 }  // namespace segki

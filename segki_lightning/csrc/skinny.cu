@@ -666,9 +666,12 @@ void launch_sum(const SkinnyArgs<T>& a, bool gated) {
              (const float*)a.seg_out, a.residual, a.out, a.segs, a.m, a.n);
 }
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
-                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset) {
-  const char* op = "segki::skinny_linear";
+// The product's launches: out (skinny_linear), or with sums_only each deferred segment's sums, [segs, ..., N] fp32
+// (skinny_linear_sums: the caller's next kernel adds them; no sum kernel is launched).
+at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& residual, bool gated,
+                          const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset,
+                          bool sums_only) {
   TORCH_CHECK(x.is_cuda() && x.is_contiguous(), op, ": x must be a contiguous CUDA tensor");
   check_cuda_half(w, op, "weight", x.scalar_type());
   const int64_t k = x.size(-1), m = x.numel() / std::max<int64_t>(k, 1);
@@ -680,11 +683,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   const int64_t n = gated ? w.size(0) / 2 : w.size(0);
   auto shape = x.sizes().vec();
   shape.back() = n;
-  auto out = at::empty(shape, x.options());
+  auto out = sums_only ? at::Tensor() : at::empty(shape, x.options());
   if (residual.has_value()) {
     check_cuda_half(*residual, op, "residual", x.scalar_type());
-    TORCH_CHECK(residual->sizes() == out.sizes(), op, ": residual ", residual->sizes(), " must match the output ",
-                out.sizes());
+    TORCH_CHECK(residual->sizes() == at::IntArrayRef(shape), op, ": residual ", residual->sizes(),
+                " must match the output ", at::IntArrayRef(shape));
   }
   if (norm_w.has_value()) {
     check_cuda_half(*norm_w, op, "norm_w", x.scalar_type());
@@ -692,7 +695,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
                 "], one weight per input column");
     TORCH_CHECK(reinterpret_cast<uintptr_t>(norm_w->data_ptr()) % 16 == 0, op, ": norm_w must start on 16 bytes");
   }
-  if (m == 0) return out;
+  if (m == 0 && !sums_only) return out;
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
   SkinnyPlan plan;
@@ -701,16 +704,20 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
               " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile, ", K with a part of 256-2048 "
               "columns, x (without a norm, a segment of K) and ", kMinSlots, " slots within ",
               kSmemBytes / 1024, " KB); use linear");
+  TORCH_CHECK(!sums_only || plan.deferred, op, ": x ", x.sizes(), " by weight ", w.sizes(), " is not planned in "
+              "deferred segments of K (9-16 rows where x of all of K and three slots do not fit); use skinny_linear");
   const Workspace ws = workspace();
   // deferred segments: each segment's sums, from the stream's allocator (a captured graph keeps its own)
-  const at::Tensor seg_out = plan.deferred ? at::empty({plan.segs, m, w.size(0)}, x.options().dtype(at::kFloat))
-                                           : at::Tensor();
+  auto sums_shape = x.sizes().vec();
+  sums_shape.back() = w.size(0);
+  sums_shape.insert(sums_shape.begin(), plan.segs);
+  const at::Tensor seg_out = plan.deferred ? at::empty(sums_shape, x.options().dtype(at::kFloat)) : at::Tensor();
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     SkinnyArgs<T> a{};
     a.x = reinterpret_cast<const T*>(x.data_ptr());
     a.w = reinterpret_cast<const T*>(w.data_ptr());
     a.residual = residual.has_value() ? reinterpret_cast<const T*>(residual->data_ptr()) : nullptr;
-    a.out = reinterpret_cast<T*>(out.data_ptr());
+    a.out = sums_only ? nullptr : reinterpret_cast<T*>(out.data_ptr());
     a.norm_w = norm_w.has_value() ? reinterpret_cast<const T*>(norm_w->data_ptr()) : nullptr;
     a.norm_eps = (float)norm_eps;
     a.norm_unit_offset = norm_unit_offset;
@@ -730,15 +737,25 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
     a.slots = plan.slots;
     if (gated) launch_rows<T, true>(a, plan);
     else launch_rows<T, false>(a, plan);
-    if (plan.deferred) launch_sum<T>(a, gated);
+    if (plan.deferred && !sums_only) launch_sum<T>(a, gated);
   });
-  return out;
+  return sums_only ? seg_out : out;
+}
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& residual,
+                         bool gated, const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset) {
+  return skinny_product("segki::skinny_linear", x, w, residual, gated, norm_w, norm_eps, norm_unit_offset, false);
+}
+
+at::Tensor skinny_linear_sums(const at::Tensor& x, const at::Tensor& w) {
+  return skinny_product("segki::skinny_linear_sums", x, w, c10::nullopt, false, c10::nullopt, 0.0, false, true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(segki, CUDA, m) {
   m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear_sums", &skinny_linear_sums);
   m.impl("timeline_stamps", &timeline_stamps);
 }
 

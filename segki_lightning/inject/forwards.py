@@ -39,6 +39,9 @@ def rms_norm_forward(self: nn.Module, x: Tensor) -> Tensor:
     return ops.rms_norm(x, self.weight, s.eps, s.unit_offset)
 
 
+PostNorm = tuple[Tensor, float, bool]   # an RMSNorm's (weight, eps, unit_offset)
+
+
 def norm_prologue(norm: nn.Module | None) -> dict[str, Any]:
     """An injected RMSNorm as the norm prologue of the projection after it (``norm_w``, ``norm_eps``,
     ``norm_unit_offset``: the ops normalize x first, inside their own launch where they can); {} for none."""
@@ -137,10 +140,11 @@ def _attention_decode_call(self: nn.Module, args: tuple, kwargs: dict) -> functo
 
 def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables: tuple[Tensor, Tensor],
                       k_cache: Tensor, v_cache: Tensor, positions: Tensor, lengths: Tensor,
-                      norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+                      norm: nn.Module | None = None, residual: Tensor | None = None,
+                      post_norm: PostNorm | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """``x [B, 1, H]`` -> ``[B, 1, H]``; the new key/value land in the caches at ``positions``, attention
     reads ``[0, lengths[b])``. ``norm``: an injected RMSNorm applied to x first, in the QKV projection;
-    ``residual [B, 1, H]``: added in the output projection."""
+    ``residual [B, 1, H]``: added in the output projection; ``post_norm``: see :func:`_out_projection`."""
     bsz = x.shape[0]
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
     q, k, v = ops.qkv_proj(x[:, 0], qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias,
@@ -150,8 +154,7 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
     out = ops.decode_attention_step(q, k, v, cos, sin, q_w, k_w, k_cache, v_cache, positions, lengths, eps,
                                     unit_offset, s.gated, s.scaling)                              # [B, Hq, D]
-    res = residual[:, 0] if residual is not None else None
-    return ops.linear(out.view(bsz, -1), self.o_proj.weight, self.o_proj.bias, res).view(bsz, 1, -1)
+    return _out_projection(out.view(bsz, -1), self.o_proj, residual, post_norm)
 
 
 # ------------------------------------------------------------------------------------ Gated DeltaNet
@@ -226,11 +229,13 @@ def _gdn_decode_call(self: nn.Module, x: Tensor, cache: Any) -> functools.partia
 
 
 def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recurrent_state: Tensor,
-                norm: nn.Module | None = None, residual: Tensor | None = None) -> Tensor:
+                norm: nn.Module | None = None, residual: Tensor | None = None,
+                post_norm: PostNorm | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """One token per row against a static cache's states (updated in place): the fused decode step. Where
     :func:`ops.fuses_gdn_conv` says so (one row) the conv runs in the input projection's epilogue (two launches
     before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
-    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``."""
+    applied to x first, in the input projection; ``residual [B, 1, K]``: added in ``out_proj``; ``post_norm``: see
+    :func:`_out_projection`."""
     bsz, h, pro = x.shape[0], x[:, 0], norm_prologue(norm)                         # h [B, K]
     w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
@@ -242,8 +247,21 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
     else:
         qkv, z, b, a = ops.gdn_in_proj(h, *w, **pro)
         core = ops.gdn_decode_step(qkv, z, b, a, *conv, *tail)
-    res = residual[:, 0] if residual is not None else None
-    return ops.linear(core, self.out_proj.weight, None, res).view(bsz, 1, -1)
+    return _out_projection(core, self.out_proj, residual, post_norm)
+
+
+def _out_projection(y: Tensor, proj: nn.Module, residual: Tensor | None, post_norm: PostNorm | None
+                    ) -> Tensor | tuple[Tensor, Tensor]:
+    """A mixer's output projection of ``y [B, N]`` -> ``[B, 1, H]``, plus ``residual [B, 1, H]`` when given. With
+    ``post_norm`` (the residual is then required), the decoder layer's residual add and norm after it too:
+    ``(norm(h), h)`` of ``h = residual + projection`` (one launch fewer where the projection's sums go straight
+    into the norm, :func:`ops.linear_add_rms_norm`)."""
+    bsz = y.shape[0]
+    res = residual[:, 0] if residual is not None else None                        # [B, H]
+    if post_norm is None:
+        return ops.linear(y, proj.weight, proj.bias, res).view(bsz, 1, -1)
+    normed, h = ops.linear_add_rms_norm(y, proj.weight, proj.bias, res, *post_norm)
+    return normed.view(bsz, 1, -1), h.view(bsz, 1, -1)
 
 
 # ------------------------------------------------------------------------------------- decoder layer
@@ -293,10 +311,17 @@ def _decoder_layer(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs:
 def _mlp_half(self: nn.Module, s: LayerSpec, out: Tensor, hidden_states: Tensor) -> Tensor:
     """``h + mlp(norm2(h))`` with ``h = hidden_states + out``: the first residual add fused with norm2, the
     second in the down projection when the MLP is injected."""
-    normed, residual = ops.add_rms_norm(out, hidden_states, self.post_attention_layernorm.weight,
-                                        s.post_norm.eps, s.post_norm.unit_offset)
+    return _mlp(self, *ops.add_rms_norm(out, hidden_states, *_post_norm(self, s)))
+
+
+def _post_norm(self: nn.Module, s: LayerSpec) -> PostNorm:
+    return self.post_attention_layernorm.weight, s.post_norm.eps, s.post_norm.unit_offset
+
+
+def _mlp(self: nn.Module, normed: Tensor, residual: Tensor) -> Tensor:
+    """``residual + mlp(normed)``, the add in the down projection when the MLP is injected."""
     if _plain(self.mlp, gated_mlp_forward):
-        return gated_mlp_forward(self.mlp, normed, residual)  # the residual add rides on the down projection
+        return gated_mlp_forward(self.mlp, normed, residual)
     return residual + self.mlp(normed)
 
 
@@ -328,10 +353,12 @@ def _decode_layer(self: nn.Module, s: LayerSpec, x: Tensor, mixer_step: functool
     """A decode step of the layer, ``x [B, 1, H]``: norm1 inside the mixer's input projection. Where the MLP
     front takes norm2 inside its launch too (:func:`ops.folds_norm`: the skinny product at 1-8 rows), the first
     residual add moves into the mixer's output projection, so that no launch is left between the projections;
-    elsewhere norm2 stays fused with that add. The same roundings either way (the projection rounded, then the
-    sum rounded)."""
+    elsewhere norm2 stays fused with that add, which the output projection takes on (its sums then go straight
+    into the norm kernel where they come in segments of K). The same roundings either way (the projection
+    rounded, then the sum rounded)."""
     mlp = self.mlp
     if _plain(mlp, gated_mlp_forward) and ops.folds_norm(x, mlp.gate_proj.weight, mlp.up_proj.weight, gated=True):
         h = mixer_step(norm=self.input_layernorm, residual=x)                      # [B, 1, H] = x + mixer(norm1(x))
         return gated_mlp_forward(mlp, h, h, norm=self.post_attention_layernorm)
-    return _mlp_half(self, s, mixer_step(norm=self.input_layernorm), x)
+    normed, h = mixer_step(norm=self.input_layernorm, residual=x, post_norm=_post_norm(self, s))  # norm2(h), h
+    return _mlp(self, normed, h)

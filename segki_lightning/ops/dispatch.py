@@ -489,6 +489,28 @@ def add_rms_norm(x, residual, weight, eps: float, unit_offset: bool) -> tuple[Te
     return reference.add_rms_norm(x, residual, weight, eps, unit_offset)
 
 
+def _skinny_defers(x: Tensor, weight: Tensor) -> bool:
+    """Whether the skinny product plans x by weight in deferred segments of K (past ``SKINNY_SEGMENT_ROWS`` rows,
+    where x of all of K and three slots do not fit): its sums can go to the next kernel."""
+    rows = _rows(x)
+    plan = skinny_plan(rows, x.shape[-1], weight.shape[0], x.element_size())
+    return plan is not None and plan[1] > 1 and rows > SKINNY_SEGMENT_ROWS
+
+
+def linear_add_rms_norm(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor, norm_w: Tensor,
+                        eps: float, unit_offset: bool) -> tuple[Tensor, Tensor]:
+    """``add_rms_norm(linear(x, weight, bias), residual, norm_w, eps, unit_offset)``: a mixer's output projection,
+    then the decoder layer's residual add and norm. Where the skinny product takes the projection in deferred
+    segments of K (the 4B o_proj / out_proj at 13-16 rows), the norm kernel adds the segments' sums itself
+    (``add_rms_norm_sums``): one launch fewer, the same bits."""
+    if (bias is None and residual.shape == (*x.shape[:-1], weight.shape[0]) and _skinny_routes(x, weight)
+            and _skinny_ok(x, weight) and _skinny_defers(x, weight)
+            and eligible("add_rms_norm_sums", residual, norm_w, shape_ok=residual.shape[-1] % 8 == 0)):
+        sums = _native("skinny_linear_sums")(x, weight)                                # [S, ..., N] fp32
+        return tuple(_native("add_rms_norm_sums")(sums, residual, norm_w, eps, unit_offset))
+    return add_rms_norm(linear(x, weight, bias), residual, norm_w, eps, unit_offset)
+
+
 def decode_attention(q, k_cache, v_cache, lengths, scale: float, gate: Tensor | None = None) -> Tensor:
     """See :func:`reference.decode_attention`. ``gate`` may be a strided view (half of each q_proj row)."""
     ok = q.shape[-1] in (64, 128, 256) and q.shape[1] % k_cache.shape[1] == 0 and q.shape[1] // k_cache.shape[1] <= 8

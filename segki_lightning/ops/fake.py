@@ -18,6 +18,14 @@ def _skinny(x, w, residual=None, gated=False, norm_w=None, norm_eps=0.0, norm_un
     return _out(x, w.shape[0] // 2 if gated else w.shape[0])
 
 
+@torch.library.register_fake("segki::skinny_linear_sums")
+def _skinny_sums(x, w):
+    from .dispatch import skinny_plan   # the segments of K the native op plans
+
+    plan = skinny_plan(x.numel() // max(x.shape[-1], 1), x.shape[-1], w.shape[0], x.element_size())
+    return x.new_empty((plan[1] if plan else 1, *x.shape[:-1], w.shape[0]), dtype=torch.float32)
+
+
 @torch.library.register_fake("segki::timeline_stamps")
 def _timeline_stamps(buf, stamp):
     return torch.empty((0, 9), dtype=torch.int64)
@@ -52,6 +60,11 @@ def _rms(x, w, eps, unit_offset):
 @torch.library.register_fake("segki::add_rms_norm")
 def _add_rms(x, res, w, eps, unit_offset):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.register_fake("segki::add_rms_norm_sums")
+def _add_rms_sums(sums, res, w, eps, unit_offset):
+    return torch.empty_like(res), torch.empty_like(res)
 
 
 @torch.library.register_fake("segki::decode_attention")

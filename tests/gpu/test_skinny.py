@@ -127,6 +127,59 @@ def test_deferred_segments_hold_the_gathered_segments_bits(shape, residual):
     assert rel_err(sixteen, want(x, w, gated, res)) < TOL[torch.bfloat16]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("width", [1024, 2560, 4104])
+def test_add_rms_norm_of_sums_is_their_rounded_sum_then_the_add_and_norm(width, parts, dtype):
+    """add_rms_norm_sums takes x as fp32 sums in parts: added in part order and rounded, then the add_rms_norm
+    kernel's arithmetic, so both outputs hold the bits of add_rms_norm on that rounded sum (widths of one and two
+    stretches a thread and past them)."""
+    rows = 5
+    sums = randn(parts, rows, width, dtype=torch.float32, scale=3.0)
+    res, nw = randn(rows, width, dtype=dtype), randn(width, dtype=dtype, scale=0.2)
+    x = sums[0]
+    for p in sums[1:]:
+        x = x + p
+    want = torch.ops.segki.add_rms_norm(x.to(dtype), res, nw, 1e-6, True)
+    poison((rows, width), (rows, width), dtype=dtype)
+    got = torch.ops.segki.add_rms_norm_sums(sums, res, nw, 1e-6, True)
+    for g, v in zip(got, want):
+        assert g.dtype == dtype and not torch.isnan(g).any() and torch.equal(g, v)
+    ref = R.add_rms_norm_sums(sums, *f32(res, nw), 1e-6, True)
+    assert rel_err(got[0], ref[0]) < TOL[dtype]
+    with pytest.raises(RuntimeError, match="sums .* must be contiguous"):
+        torch.ops.segki.add_rms_norm_sums(sums[:, :2], res, nw, 1e-6, True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [12, 16])
+def test_an_output_projection_hands_the_norm_its_sums_with_the_same_bits(rows, dtype, monkeypatch):
+    """ops.linear_add_rms_norm on the 4B o_proj / out_proj shape: at 16 rows (deferred segments) the product's sums
+    go to the norm kernel, no sum kernel between; the bits of the product (with its own sum launch) then
+    add_rms_norm either way; refused by skinny_linear_sums where the plan has no deferred segments."""
+    from segki_lightning import ops
+
+    n, k, _ = SHAPES["4b_o_proj"]
+    x, w = randn(rows, k, dtype=dtype), randn(n, k, dtype=dtype, scale=k**-0.5)
+    res, nw = randn(rows, n, dtype=dtype), randn(n, dtype=dtype, scale=0.2)
+    want = torch.ops.segki.add_rms_norm(torch.ops.segki.skinny_linear(x, w), res, nw, 1e-6, True)
+    calls = []
+    monkeypatch.setattr(dispatch, "_native", lambda op: calls.append(op) or getattr(torch.ops.segki, op))
+    poison((rows, n), (rows, n), dtype=dtype)
+    with torch.no_grad():
+        got = ops.linear_add_rms_norm(x, w, None, res, nw, 1e-6, True)
+    deferred = rows > dispatch.SKINNY_SEGMENT_ROWS and dispatch.skinny_plan(rows, k, n, 2)[1] > 1
+    assert deferred == (rows == 16)
+    assert calls == (["skinny_linear_sums", "add_rms_norm_sums"] if deferred else ["skinny_linear", "add_rms_norm"])
+    for g, v in zip(got, want):
+        assert torch.equal(g, v)
+    ref = R.add_rms_norm(R.linear(*f32(x, w)), *f32(res, nw), 1e-6, True)
+    assert rel_err(got[0], ref[0]) < 2 * TOL[dtype]
+    if not deferred:
+        with pytest.raises(RuntimeError, match="not planned in deferred segments"):
+            torch.ops.segki.skinny_linear_sums(x, w)
+
+
 NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "many_parts"]
 
 

@@ -26,6 +26,12 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tens
     return out if residual is None else residual + out
 
 
+def skinny_linear_sums(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight^T`` as fp32 sums in segments of K, ``[S, ..., N]``: added over S in order, the product before
+    its rounding. The reference takes all of K as one segment (the native op plans two or more)."""
+    return F.linear(x.float(), weight.float()).unsqueeze(0)
+
+
 def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gated: bool = False,
                   norm_w: Tensor | None = None, norm_eps: float = 0.0, norm_unit_offset: bool = False) -> Tensor:
     """One product over a (packed) weight ``[R, K]``: :func:`linear` without bias, or with ``gated`` the weight's

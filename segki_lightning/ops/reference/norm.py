@@ -34,6 +34,17 @@ def add_rms_norm(
     return rms_norm(new_residual, weight, eps, unit_offset), new_residual
 
 
+def add_rms_norm_sums(
+    sums: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_offset: bool
+) -> tuple[Tensor, Tensor]:
+    """:func:`add_rms_norm` of x given as fp32 sums ``[S, ..., H]`` (a projection's segments of K): added in order
+    from the first, then rounded to the residual's dtype, as the projection's own epilogue would."""
+    x = sums[0]
+    for part in sums[1:]:
+        x = x + part
+    return add_rms_norm(x.to(residual.dtype), residual, weight, eps, unit_offset)
+
+
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Gated-DeltaNet output norm: ``to_dtype(w * to_dtype(rmsnorm(x)) * silu(z))``; ``x, z [..., D]``,
     ``weight [D]`` -> ``[..., D]``."""
