@@ -76,7 +76,8 @@ FOLD_ROWS = 2
 # b=16 -2.1 %); there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512
 # columns: 0.8B b=16 +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %,
 # benchmarks/results/short_parts/), and larger ones deferred segments: each group stores its sums, a second launch
-# adds them (the 4B o_proj, out_proj and down at 9-16 rows).
+# adds them (the 4B o_proj, out_proj and down at 9-16 rows; 4B b=16 +3.7-4.0 %, b=12 +6 %, the output projections'
+# sums into the norm kernel after them +0.2-0.4 %, benchmarks/results/deferred_segments/).
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 16
