@@ -10,15 +10,16 @@ from segki_lightning import RolloutEngine, SamplingConfig, apply_segment_ki
 pytestmark = pytest.mark.gpu
 
 
-def cuda_model(tmp_path, seed=0):
-    """A small Qwen3.5 hybrid whose shapes the native kernels take (head dims 64, 3 GDN + 1 attention)."""
+def cuda_model(tmp_path, seed=0, **config):
+    """A small Qwen3.5 hybrid whose shapes the native kernels take (head dims 64, 3 GDN + 1 attention; ``config``
+    overrides)."""
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
-    cfg = Qwen3_5TextConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                            linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=1024,
-                            layer_types=["linear_attention"] * 3 + ["full_attention"], pad_token_id=0,
-                            eos_token_id=1, bos_token_id=None)
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64,
+                 layer_types=["linear_attention"] * 3 + ["full_attention"])
+    cfg = Qwen3_5TextConfig(**{**shape, **config}, vocab_size=1024, pad_token_id=0, eos_token_id=1, bos_token_id=None)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():
@@ -169,3 +170,35 @@ def test_norms_inside_the_projections_give_the_decode_of_the_separate_norms_bit_
     separate = RolloutEngine(model, max_batch_size=8, max_seq_len=64, eos_token_id=[]).generate(ps, cfg)
     assert torch.equal(folded.completion_ids, separate.completion_ids)
     assert torch.equal(folded.logprobs, separate.logprobs)
+
+
+# Qwen3.5-4B's layer widths, one GDN and one attention layer: at 16 rows its o_proj / out_proj (K = 4096) and down
+# (K = 9216) run in deferred segments of K
+QWEN35_4B_LAYERS = dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=2, num_attention_heads=16,
+                        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                        linear_key_head_dim=128, linear_value_head_dim=128,
+                        layer_types=["linear_attention", "full_attention"])
+
+
+def test_decode_at_16_rows_in_deferred_segments_matches_a_plain_forward(tmp_path, monkeypatch):
+    """16 rows of 4B-wide layers: the output projections and the down in deferred segments of K, the output
+    projections' sums straight into the residual add + norm kernel. Log-probs within bf16 tolerance of a plain
+    forward, and the bits of the same decode with the sums through the product's own sum kernel first."""
+    from segki_lightning.ops import dispatch
+
+    model = cuda_model(tmp_path, seed=4, **QWEN35_4B_LAYERS)
+    assert dispatch.skinny_plan(16, 4096, 2560, 2)[1] == 2 and dispatch.skinny_plan(16, 9216, 2560, 2)[1] == 3
+    ps = prompts([3 + 2 * i for i in range(16)], seed=6)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=2)
+    fused = RolloutEngine(model, max_batch_size=16, max_seq_len=64, eos_token_id=[]).generate(ps, cfg)
+    for r in range(0, 16, 5):
+        p = fused.prompt_ids[r][fused.prompt_mask[r].bool()]
+        seq = torch.cat([p, fused.completion_ids[r]])[None]
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[0, len(p) - 1:-1].float()
+        want = torch.log_softmax(logits / 0.8, -1).gather(-1, fused.completion_ids[r][:, None])[:, 0]
+        assert (fused.logprobs[r] - want).abs().mean() < 0.15   # as test_logprobs_match_a_plain_forward_...
+    monkeypatch.setattr(dispatch, "_skinny_defers", lambda *a: False)   # the sums added by their own launch first
+    apart = RolloutEngine(model, max_batch_size=16, max_seq_len=64, eos_token_id=[]).generate(ps, cfg)
+    assert torch.equal(fused.completion_ids, apart.completion_ids)
+    assert torch.equal(fused.logprobs, apart.logprobs)
