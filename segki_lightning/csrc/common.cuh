@@ -190,6 +190,22 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
   return s[0];
 }
 
+// v[j] = the `parts` fp32 values `stride` apart from p[j], added in part order from zero (N a multiple of 4): the
+// deferred segments of K of a skinny product (skinny.cu) as its sum kernel and the norm that takes them (norm.cu) add
+// them, so that both give the same bits.
+template <int N>
+__device__ __forceinline__ void sum_parts(const float* __restrict__ p, int parts, size_t stride, float (&v)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) v[j] = 0.f;
+  for (int s = 0; s < parts; ++s) {
+#pragma unroll
+    for (int j = 0; j < N; j += 4) {
+      const float4 q = __ldcg(reinterpret_cast<const float4*>(p + s * stride + j));
+      v[j] += q.x, v[j + 1] += q.y, v[j + 2] += q.z, v[j + 3] += q.w;
+    }
+  }
+}
+
 // RMSNorm's arithmetic, shared by the norm kernels (norm.cu) and the GEMVs' norm prologue (gemv.cu) so that both
 // give the same bits: a thread's sum of squares over its 8 values, a row's inverse RMS from the block's sum, and
 // one normalized value in either weight form (unit_offset: Qwen3.5's 1 + w, from the live weight).

@@ -14,18 +14,6 @@ constexpr int kThreads = 256;
 constexpr int kStride = kThreads * 8;  // columns between a thread's stretches of 8
 constexpr int kHeld = 2;                // stretches a thread keeps in registers: rows up to 4096 wide (the 4B's 2560)
 
-// Eight columns of x from `parts` fp32 sums lying `stride` apart: added in part order from zero, rounded to T.
-template <typename T>
-__device__ __forceinline__ uint4 summed8(const float* __restrict__ sums, int parts, size_t stride, size_t o) {
-  float v[8] = {};
-  for (int s = 0; s < parts; ++s) {
-    const float4 a = __ldcg(reinterpret_cast<const float4*>(sums + s * stride + o));
-    const float4 b = __ldcg(reinterpret_cast<const float4*>(sums + s * stride + o + 4));
-    v[0] += a.x, v[1] += a.y, v[2] += a.z, v[3] += a.w, v[4] += b.x, v[5] += b.y, v[6] += b.z, v[7] += b.w;
-  }
-  return pack8<T>(v);
-}
-
 // SUMS: x comes as `parts` fp32 sums [parts][rows][h] (with the residual add only).
 template <typename T, bool ADD, bool SUMS>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ sums,
@@ -38,9 +26,14 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   const size_t row = blockIdx.x;
   const T* xr = x + row * h;
   const int i0 = threadIdx.x * 8;
-  auto x_at = [&](int i) {
-    if constexpr (SUMS) return summed8<T>(sums, parts, (size_t)gridDim.x * h, row * h + i);
-    else return ld_cached(xr + i);
+  auto x_at = [&](int i) {  // eight columns of x; from sums: added in part order, rounded to T
+    if constexpr (SUMS) {
+      float v[8];
+      sum_parts<8>(sums + row * h + i, parts, (size_t)gridDim.x * h, v);
+      return pack8<T>(v);
+    } else {
+      return ld_cached(xr + i);
+    }
   };
   // The held stretches' weights go out before the wait (a parameter no kernel of the step writes); their x (and
   // residual) all at once after it, so pass 2 reads nothing from memory for them: the 4B's 2560-wide rows took a

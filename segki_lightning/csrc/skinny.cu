@@ -92,15 +92,15 @@ struct SkinnyArgs {
   int launch_id;
 };
 
-struct SkinnyPlan {
-  int kp = 0, parts = 0, segs = 0, slots = 0;
-  long smem = 0;
-  bool deferred = false;  // segs > 1 at 9-16 rows: the segments' sums added by a second launch
-};
-
 // How a launch's segments of K meet: one segment (all of K); gathered by the block whose sums come last (1-8 rows);
 // deferred to sum_segments_kernel (9-16 rows). Each mode is an instantiation of its own.
 enum SegMode : int { kWhole = 0, kGathered = 1, kDeferred = 2 };
+
+struct SkinnyPlan {
+  int kp = 0, parts = 0, segs = 0, slots = 0;
+  long smem = 0;
+  SegMode mode = kWhole;
+};
 
 constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
 constexpr int kMaxSegTiles = 4096;  // tiles x segments the workspace has room for (the 4B down: 160 x 3)
@@ -532,14 +532,14 @@ bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& pla
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
   const int kp = part_cols(k);
   if (kp == 0) return false;
-  if (plan_parts(m, k, rows, elem, kp, !norm && m <= kSegRows, plan)) return true;
-  if ((long)rows * k * (long)elem <= kShortPartsMaxBytes) {
-    for (int p = kp - kWarps * 32; p >= kMinPartCols; p -= kWarps * 32) {
-      if (k % p == 0 && plan_parts(m, k, rows, elem, p, false, plan)) return true;
-    }
+  bool ok = plan_parts(m, k, rows, elem, kp, !norm && m <= kSegRows, plan);
+  if (!ok && (long)rows * k * (long)elem <= kShortPartsMaxBytes) {
+    for (int p = kp - kWarps * 32; p >= kMinPartCols && !ok; p -= kWarps * 32)
+      ok = k % p == 0 && plan_parts(m, k, rows, elem, p, false, plan);
   }
-  if (norm || m <= kSegRows || !plan_parts(m, k, rows, elem, kp, true, plan)) return false;
-  plan.deferred = true;  // segs > 1: one segment did not fit above
+  if (!ok && !norm && m > kSegRows) ok = plan_parts(m, k, rows, elem, kp, true, plan);  // deferred segments
+  if (!ok) return false;
+  plan.mode = plan.segs == 1 ? kWhole : m <= kSegRows ? kGathered : kDeferred;
   return true;
 }
 
@@ -614,8 +614,8 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
 template <typename T, bool GATED>
 void launch_rows(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   static_assert(kSegRows == 8, "the gathered segments' instantiation takes up to 8 rows");
-  if (plan.deferred) launch<T, 16, GATED, kDeferred>(a, plan);
-  else if (a.segs > 1) launch<T, 8, GATED, kGathered>(a, plan);
+  if (plan.mode == kDeferred) launch<T, 16, GATED, kDeferred>(a, plan);
+  else if (plan.mode == kGathered) launch<T, 8, GATED, kGathered>(a, plan);
   else if (a.m == 1) launch<T, 1, GATED>(a, plan);
   else if (a.m == 2) launch<T, 2, GATED>(a, plan);
   else if (a.m <= 4) launch<T, 4, GATED>(a, plan);
@@ -637,12 +637,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* 
   if (o >= m * n) return;
   const int xr = o / n, c = o - xr * n, wrows = GATED ? 2 * n : n;
   auto added = [&](int col, float (&v)[4]) {  // column col..col+3 of row xr, every segment in order
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = 0.f;
-    for (int s = 0; s < segs; ++s) {
-      const float4 p = __ldcg(reinterpret_cast<const float4*>(sums + ((size_t)s * m + xr) * wrows + col));
-      v[0] += p.x, v[1] += p.y, v[2] += p.z, v[3] += p.w;
-    }
+    sum_parts<4>(sums + (size_t)xr * wrows + col, segs, (size_t)m * wrows, v);
   };
   float v[4];
   added(c, v);
@@ -707,14 +702,15 @@ at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor&
               " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile, ", K with a part of 256-2048 "
               "columns, x (without a norm, a segment of K) and ", kMinSlots, " slots within ",
               kSmemBytes / 1024, " KB); use linear");
-  TORCH_CHECK(!sums_only || plan.deferred, op, ": x ", x.sizes(), " by weight ", w.sizes(), " is not planned in "
+  const bool deferred = plan.mode == kDeferred;
+  TORCH_CHECK(!sums_only || deferred, op, ": x ", x.sizes(), " by weight ", w.sizes(), " is not planned in "
               "deferred segments of K (9-16 rows where x of all of K and three slots do not fit); use skinny_linear");
   const Workspace ws = workspace();
   // deferred segments: each segment's sums, from the stream's allocator (a captured graph keeps its own)
   auto sums_shape = x.sizes().vec();
   sums_shape.back() = w.size(0);
   sums_shape.insert(sums_shape.begin(), plan.segs);
-  const at::Tensor seg_out = plan.deferred ? at::empty(sums_shape, x.options().dtype(at::kFloat)) : at::Tensor();
+  const at::Tensor seg_out = deferred ? at::empty(sums_shape, x.options().dtype(at::kFloat)) : at::Tensor();
   SEGKI_DISPATCH_HALF(x.scalar_type(), op, [&] {
     SkinnyArgs<T> a{};
     a.x = reinterpret_cast<const T*>(x.data_ptr());
@@ -728,7 +724,7 @@ at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor&
     a.ready = ws.ready;
     a.seg_sums = ws.seg_sums;
     a.arrived = ws.arrived;
-    a.seg_out = plan.deferred ? seg_out.data_ptr<float>() : nullptr;
+    a.seg_out = deferred ? seg_out.data_ptr<float>() : nullptr;
     a.m = (int)m;
     a.k = (int)k;
     a.n = (int)n;
@@ -740,7 +736,7 @@ at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor&
     a.slots = plan.slots;
     if (gated) launch_rows<T, true>(a, plan);
     else launch_rows<T, false>(a, plan);
-    if (plan.deferred && !sums_only) launch_sum<T>(a, gated);
+    if (deferred && !sums_only) launch_sum<T>(a, gated);
   });
   return sums_only ? seg_out : out;
 }
