@@ -576,6 +576,15 @@ inline bool batched_attention(int row_heads) {
   return row_heads >= kBatchedRowHeads;
 }
 
+// Splits of each (row, KV head)'s positions: enough for `per_sm` blocks per SM (the batched kernel 4, the online one
+// 2), but never past one wave of the kernel's resident blocks (`wave`): a block past it runs after one of the first
+// wave has ended, doubling the launch's time for a few blocks (the 4B at 16 rows: 9 splits made 576 blocks of the
+// batched kernel against 528 resident). At least one, at most kMaxSplits, and one per 16 cache positions.
+int attention_splits(int per_sm, int sms, int wave, int row_heads, int s_max) {
+  const int aim = (per_sm * sms + row_heads - 1) / row_heads;
+  return std::max(1, std::min({aim, wave / row_heads, kMaxSplits, (s_max + 15) / 16}));
+}
+
 // Run `f(D, MAXG)` (integral constants) for head dimension d and a kernel instantiated for up to MAXG query heads
 // per KV head that covers g (1, 2, 4 or 8).
 template <typename F>
@@ -618,19 +627,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   c10::cuda::CUDAGuard guard(q.device());
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const bool batched = batched_attention(bsz * hkv);
-  const int per_sm = batched ? 4 : 2;  // blocks per SM the splits aim for
-  const int splits =
-      std::max(1, std::min({(per_sm * sms + bsz * hkv - 1) / (bsz * hkv), kMaxSplits, (s_max + 15) / 16}));
   auto fopt = q.options().dtype(at::kFloat);
-  auto part_acc = at::empty({bsz, hq, splits, d}, fopt);
-  auto part_m = at::empty({bsz, hq, splits}, fopt);
-  auto part_l = at::empty({bsz, hq, splits}, fopt);
   auto stream = at::cuda::getCurrentCUDAStream();
   auto lens = lengths.to(at::kInt).contiguous();
   SEGKI_DISPATCH_HALF(q.scalar_type(), op, [&] {
     auto run = [&](auto d_const, auto g_const) {
       constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
-      auto partial = batched ? attn_partial_kernel<T, DD, GG, true> : attn_partial_kernel<T, DD, GG, false>;
+      constexpr auto online = attn_partial_kernel<T, DD, GG, false>, both = attn_partial_kernel<T, DD, GG, true>;
+      const auto partial = batched ? both : online;
+      const int wave = batched ? first_wave_blocks<both>(kWarps * 32, 0) : first_wave_blocks<online>(kWarps * 32, 0);
+      const int splits = attention_splits(batched ? 4 : 2, sms, wave, bsz * hkv, s_max);
+      auto part_acc = at::empty({bsz, hq, splits, DD}, fopt);
+      auto part_m = at::empty({bsz, hq, splits}, fopt);
+      auto part_l = at::empty({bsz, hq, splits}, fopt);
       launch_pdl(partial, dim3(splits, hkv, bsz), dim3(kWarps * 32), stream, dim3(1),
           reinterpret_cast<const T*>(q.data_ptr()), reinterpret_cast<const T*>(kc.data_ptr()),
           reinterpret_cast<const T*>(vc.data_ptr()), lens.data_ptr<int>(), part_acc.data_ptr<float>(),

@@ -335,6 +335,19 @@ void allow_dynamic_smem(int bytes) {
   done.fetch_or(bit, std::memory_order_relaxed);
 }
 
+// Blocks of `Kernel` resident at once on the device: its first wave (found on the first call). Only these can start
+// beside the previous kernel under PDL (gemv.cu: only they warm L2 before the wait), and a grid past them runs a
+// second wave that costs a whole block's time (attention.cu sizes its splits to one wave).
+template <auto Kernel>
+int first_wave_blocks(int threads, int smem) {
+  static const int blocks = [&] {
+    int per_sm = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem));
+    return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  }();
+  return blocks;
+}
+
 // Asks L2 for the 128-byte line at p (no register written, nothing waited for).
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 

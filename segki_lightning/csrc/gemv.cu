@@ -43,7 +43,11 @@ struct GemvArgs {
   int n[kMaxW];
   int tile_start[kMaxW + 1];  // cumulative 16-row tile offsets
   int prefetch_cols;          // per weight row, columns warmed into L2 before the PDL wait (-1: all)
-  int prefetch_blocks;        // blocks (in launch order) that warm L2: the first wave, see first_wave_blocks
+  int prefetch_blocks;        // blocks (in launch order) that warm L2: the first wave (first_wave_blocks). A
+                              // later block starts after one of this kernel has passed the wait, so its warm-up
+                              // would only ask twice for the lines its loads want next (`small_splits/`: the
+                              // 0.8B lm_head 160.7 -> 145.7 us at one row, 195.3 -> 152.5 at 16; the 4B o_proj
+                              // 9.27 -> 8.48 us at one row)
   const T* residual;          // [M, N_0], added to the rounded output (one plain weight only), or nullptr
   // Gated-DeltaNet conv in the epilogue of weight 0 (gdn_in_proj_conv), or conv_state == nullptr: each output
   // channel is owned by one thread, which shifts its conv state and stores SiLU(conv) instead of the value.
@@ -70,21 +74,6 @@ inline int prefetch_cols(size_t elem_size) {
 }
 
 __device__ __forceinline__ int prefetch_end(int c0, int c1, int cols) { return cols < 0 ? c1 : min(c1, c0 + cols); }
-
-// Blocks of `Kernel` resident at once on the device (its first wave). Only these can start beside the previous
-// kernel under PDL, so only they warm L2 before the wait: a later block starts after a block of this kernel
-// has passed the wait, and its warm-up would only add a second request for each line its loads ask for next
-// (`small_splits/`: the 0.8B lm_head 160.7 -> 145.7 us at one row, 195.3 -> 152.5 at 16; the 4B o_proj
-// 9.27 -> 8.48 us at one row).
-template <auto Kernel>
-int first_wave_blocks(int threads, int smem) {
-  static const int blocks = [&] {
-    int per_sm = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem));
-    return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  }();
-  return blocks;
-}
 
 // The weight fragments of one pipeline stage: U consecutive 32-wide k blocks of each of the NACC weights (the
 // SiLU-gated front streams gate and up together); lane (g, t) holds 16 bytes of tile rows g (lo) and g + 8 (hi).
