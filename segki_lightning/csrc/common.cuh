@@ -192,16 +192,27 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
 
 // v[j] = the `parts` fp32 values `stride` apart from p[j], added in part order from zero (N a multiple of 4): the
 // deferred segments of K of a skinny product (skinny.cu) as its sum kernel and the norm that takes them (norm.cu) add
-// them, so that both give the same bits.
-template <int N>
+// them, so that both give the same bits. AT_ONCE parts are requested before the first is added (one round trip for
+// them, not one per part: the loop over a launch argument kept one load in flight).
+template <int N, int AT_ONCE>
 __device__ __forceinline__ void sum_parts(const float* __restrict__ p, int parts, size_t stride, float (&v)[N]) {
+  constexpr int kAtOnce = AT_ONCE;
 #pragma unroll
   for (int j = 0; j < N; ++j) v[j] = 0.f;
-  for (int s = 0; s < parts; ++s) {
+  for (int s0 = 0; s0 < parts; s0 += kAtOnce) {
+    float4 q[kAtOnce][N / 4];
 #pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      const float4 q = __ldcg(reinterpret_cast<const float4*>(p + s * stride + j));
-      v[j] += q.x, v[j + 1] += q.y, v[j + 2] += q.z, v[j + 3] += q.w;
+    for (int s = 0; s < kAtOnce; ++s)
+#pragma unroll
+      for (int j = 0; j < N; j += 4)
+        q[s][j / 4] = s0 + s < parts ? __ldcg(reinterpret_cast<const float4*>(p + (s0 + s) * stride + j))
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kAtOnce; ++s) {
+      if (s0 + s >= parts) break;
+#pragma unroll
+      for (int j = 0; j < N; j += 4)
+        v[j] += q[s][j / 4].x, v[j + 1] += q[s][j / 4].y, v[j + 2] += q[s][j / 4].z, v[j + 3] += q[s][j / 4].w;
     }
   }
 }

@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   auto x_at = [&](int i) {  // eight columns of x; from sums: added in part order, rounded to T
     if constexpr (SUMS) {
       float v[8];
-      sum_parts<8>(sums + row * h + i, parts, (size_t)gridDim.x * h, v);
+      sum_parts<8, 4>(sums + row * h + i, parts, (size_t)gridDim.x * h, v);  // 4 at once: 80 registers
       return pack8<T>(v);
     } else {
       return ld_cached(xr + i);

@@ -637,7 +637,7 @@ __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* 
   if (o >= m * n) return;
   const int xr = o / n, c = o - xr * n, wrows = GATED ? 2 * n : n;
   auto added = [&](int col, float (&v)[4]) {  // column col..col+3 of row xr, every segment in order
-    sum_parts<4>(sums + (size_t)xr * wrows + col, segs, (size_t)m * wrows, v);
+    sum_parts<4, 16>(sums + (size_t)xr * wrows + col, segs, (size_t)m * wrows, v);
   };
   float v[4];
   added(c, v);

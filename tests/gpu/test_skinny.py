@@ -128,7 +128,7 @@ def test_deferred_segments_hold_the_gathered_segments_bits(shape, residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("parts", [1, 2, 3])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 6])   # 6: a second round of the 4 parts requested at once
 @pytest.mark.parametrize("width", [1024, 2560, 4104])
 def test_add_rms_norm_of_sums_is_their_rounded_sum_then_the_add_and_norm(width, parts, dtype):
     """add_rms_norm_sums takes x as fp32 sums in parts: added in part order and rounded, then the add_rms_norm
