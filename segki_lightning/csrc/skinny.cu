@@ -38,14 +38,16 @@
 // (results/segments/run1_to_16_rows/), most of it likely in those tile ends, which stall the consumers on the counter.
 //
 // Deferred segments, at 9-16 rows: where x of all of K and three slots do not fit (the 4B o_proj / out_proj, K = 4096,
-// and down, K = 9216, above 16 MiB: shorter parts are planned first), each group stores its sums of a tile to a
-// buffer [segs][m][weight rows] as a plain store, with no counter and no wait, and a second launch
-// (sum_segments_kernel) adds the segments in segment order and applies the epilogue (rounded, plus the residual;
-// gated, the SiLU-mul): the same arithmetic as the gathered segments. It replaces cuBLAS's product, its split-K
+// and down, K = 9216, above 16 MiB: shorter parts are planned first), in one part of K a segment (four and nine
+// groups: each stages the least of x), each group stores its sums of a tile to a buffer [segs][m][weight rows] as a
+// plain store, with no counter and no wait, and a second launch (sum_segments_kernel) adds the segments in segment
+// order and applies the epilogue (rounded, plus the residual; gated, the SiLU-mul): the same arithmetic as the
+// gathered segments. It replaces cuBLAS's product, its split-K
 // reduction and the residual add there: 4B decode b=16 +3.7-4.0 %, b=12 +6 % (results/deferred_segments/). Without PDL
 // the products are no faster than cuBLAS's (out_proj 11.6 us against 8.8 + 1.9, down 17.5 against 16.4 + 1.9 + 1.5);
 // the gain is their weight copies going out before the PDL wait. A mixer's output projection hands its sums to the
-// residual add + norm kernel instead (skinny_linear_sums, add_rms_norm_sums in norm.cu): +0.2-0.4 % more.
+// residual add + norm kernel instead (skinny_linear_sums, add_rms_norm_sums in norm.cu): +0.2-0.4 % more. One part a
+// segment instead of the fewest segments that fit (two and three): 4B b=16 +0.5 % (results/one_wave_sums/).
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
@@ -500,14 +502,17 @@ int part_cols(int k) {
 }
 
 // The launch for x [m, k] by a weight of `rows` rows in parts of kp columns, or false where x and three slots do
-// not fit. Segments of K: the fewest (a divisor of the parts) whose x leaves room for three slots, where `segments`
-// allows them.
-bool plan_parts(int m, int k, int rows, size_t elem, int kp, bool segments, SkinnyPlan& plan) {
+// not fit. Segments of K (a divisor of the parts), by `segments`: kWhole, one; kGathered, the fewest whose x leaves
+// room for three slots (the tile sums' workspace holds kMaxSegTiles); kDeferred, one part of K each, so that each
+// group stages the least of x and keeps the most slots (the 4B o_proj / out_proj in four, the down in nine; against
+// the fewest, two and three, each +0.5 % at 4B b=16: results/deferred_segments/run2_segment_counts/).
+bool plan_parts(int m, int k, int rows, size_t elem, int kp, SegMode segments, SkinnyPlan& plan) {
   const int parts = k / kp, tiles = rows / kTile;
   const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
-  for (int segs = 1; segs <= (segments ? parts : 1); ++segs) {
+  const int most = segments == kWhole ? 1 : parts;
+  for (int segs = segments == kDeferred ? parts : 1; segs <= most; ++segs) {
     if (parts % segs != 0) continue;
-    if (segs > 1 && (long)tiles * segs > kMaxSegTiles) return false;
+    if (segments == kGathered && segs > 1 && (long)tiles * segs > kMaxSegTiles) return false;
     const long x_bytes = (long)m * (k / segs + kPad) * (long)elem;
     const long slots = std::min<long>(kMaxSlots, (kSmemBytes - x_bytes) / slot_bytes);
     if (slots < kMinSlots) continue;
@@ -516,6 +521,7 @@ bool plan_parts(int m, int k, int rows, size_t elem, int kp, bool segments, Skin
     plan.segs = segs;
     plan.slots = (int)slots;
     plan.smem = slots * slot_bytes + x_bytes;
+    plan.mode = segs == 1 ? kWhole : segments;
     return true;
   }
   return false;
@@ -532,15 +538,13 @@ bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& pla
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
   const int kp = part_cols(k);
   if (kp == 0) return false;
-  bool ok = plan_parts(m, k, rows, elem, kp, !norm && m <= kSegRows, plan);
+  bool ok = plan_parts(m, k, rows, elem, kp, !norm && m <= kSegRows ? kGathered : kWhole, plan);
   if (!ok && (long)rows * k * (long)elem <= kShortPartsMaxBytes) {
     for (int p = kp - kWarps * 32; p >= kMinPartCols && !ok; p -= kWarps * 32)
-      ok = k % p == 0 && plan_parts(m, k, rows, elem, p, false, plan);
+      ok = k % p == 0 && plan_parts(m, k, rows, elem, p, kWhole, plan);
   }
-  if (!ok && !norm && m > kSegRows) ok = plan_parts(m, k, rows, elem, kp, true, plan);  // deferred segments
-  if (!ok) return false;
-  plan.mode = plan.segs == 1 ? kWhole : m <= kSegRows ? kGathered : kDeferred;
-  return true;
+  if (!ok && !norm && m > kSegRows) ok = plan_parts(m, k, rows, elem, kp, kDeferred, plan);
+  return ok;
 }
 
 // Per device: the partial sums and flags of split tiles, allocated zeroed on the first product (outside graph

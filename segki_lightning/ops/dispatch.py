@@ -108,30 +108,33 @@ def skinny_plan(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool 
     ``SKINNY_SEGMENT_ROWS`` rows without the norm prologue (``norm``: its sums need whole rows) in the fewest
     segments that fit; else, in one segment on weights of at most ``SKINNY_SHORT_PARTS_MAX_BYTES``, the longest
     smaller parts that fit, down to ``SKINNY_MIN_PART_COLS``; else, past ``SKINNY_SEGMENT_ROWS`` rows without the
-    norm, in the fewest segments that fit (deferred: their sums added by a second launch)."""
+    norm, in deferred segments of one part of K each (their sums added by a second launch)."""
     kp = skinny_part_cols(k)
     if not 1 <= rows <= SKINNY_ROWS or weight_rows % SKINNY_TILE or kp == 0:
         return None
-    segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, not norm and rows <= SKINNY_SEGMENT_ROWS)
+    segs = _skinny_fit(rows, k, weight_rows, elem_size, kp,
+                       "gathered" if not norm and rows <= SKINNY_SEGMENT_ROWS else "whole")
     if segs:
         return kp, segs
     if weight_rows * k * elem_size <= SKINNY_SHORT_PARTS_MAX_BYTES:
         for p in range(kp - 256, SKINNY_MIN_PART_COLS - 1, -256):
-            if k % p == 0 and _skinny_fit(rows, k, weight_rows, elem_size, p, False):
+            if k % p == 0 and _skinny_fit(rows, k, weight_rows, elem_size, p, "whole"):
                 return p, 1
     if norm or rows <= SKINNY_SEGMENT_ROWS:
         return None
-    segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, True)
+    segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, "deferred")
     return (kp, segs) if segs else None
 
 
-def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, segments: bool) -> int:
-    """The fewest segments of K (one unless ``segments``) whose x and three slots of kp columns fit, or 0."""
+def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, segments: str) -> int:
+    """Segments of K whose x and three slots of kp columns fit, or 0 (csrc/skinny.cu: plan_parts): ``"whole"`` one;
+    ``"gathered"`` the fewest (within the tile sums' workspace); ``"deferred"`` one part of K each."""
     parts, slot = k // kp, SKINNY_TILE * (kp + SKINNY_PAD) * elem_size
-    for segs in range(1, (parts if segments else 1) + 1):
+    first, last = {"whole": (1, 1), "gathered": (1, parts), "deferred": (parts, parts)}[segments]
+    for segs in range(first, last + 1):
         if parts % segs:
             continue
-        if segs > 1 and weight_rows // SKINNY_TILE * segs > SKINNY_MAX_SEG_TILES:
+        if segments == "gathered" and segs > 1 and weight_rows // SKINNY_TILE * segs > SKINNY_MAX_SEG_TILES:
             return 0
         if rows * (k // segs + SKINNY_PAD) * elem_size + SKINNY_MIN_SLOTS * slot <= SKINNY_SMEM_BYTES:
             return segs

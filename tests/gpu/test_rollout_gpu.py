@@ -187,7 +187,7 @@ def test_decode_at_16_rows_in_deferred_segments_matches_a_plain_forward(tmp_path
     from segki_lightning.ops import dispatch
 
     model = cuda_model(tmp_path, seed=4, **QWEN35_4B_LAYERS)
-    assert dispatch.skinny_plan(16, 4096, 2560, 2)[1] == 2 and dispatch.skinny_plan(16, 9216, 2560, 2)[1] == 3
+    assert dispatch.skinny_plan(16, 4096, 2560, 2)[1] == 4 and dispatch.skinny_plan(16, 9216, 2560, 2)[1] == 9
     ps = prompts([3 + 2 * i for i in range(16)], seed=6)
     cfg = SamplingConfig(max_new_tokens=12, temperature=0.8, seed=2)
     fused = RolloutEngine(model, max_batch_size=16, max_seq_len=64, eos_token_id=[]).generate(ps, cfg)

@@ -21,8 +21,8 @@ def native():
 
 # name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, small ones whose tiles split over
 # blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), few tiles of many parts, and
-# split tiles in segments of K (K = 9216 at 7-16 rows: three groups of blocks, as many_parts and 4b_down, gathered at
-# 7-8 rows and deferred at 9-16; 08b_down two at 7-8; 4b_o_proj two at 13-16, deferred),
+# split tiles in segments of K (K = 9216 at 7-16 rows, as many_parts and 4b_down: three groups of blocks gathered at
+# 7-8 rows, nine deferred at 9-16; 08b_down two at 7-8; 4b_o_proj four at 13-16, deferred),
 # split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down), and a
 # K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8)
 SHAPES = {
@@ -109,22 +109,31 @@ def test_one_row_is_bit_for_bit_the_first_row_of_two(shape, residual):
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("shape", ["4b_down", "split_segments", "split_segments_gated", "many_parts_gated"])
-def test_deferred_segments_hold_the_gathered_segments_bits(shape, residual):
-    """At 9-16 rows the segments' sums are added by a second launch, at 1-8 by the block whose sums come last: the
-    same groups, tiles and order, so the first 8 rows of 16 are the bits of those 8 rows alone (the 4B down: three
-    segments either way; tiles split between blocks plain and gated)."""
+def test_deferred_segments_give_each_row_the_bits_it_gets_alone(shape, residual):
+    """At 9-16 rows the segments of K (one part each) are summed by a second launch in segment order: the same groups,
+    tiles and order at 12 rows as at 16 (at 9, x of all of K fits beside slots of 512 columns on the small weights),
+    so the first 12 rows of 16 are the bits of those 12 rows alone (the 4B down: nine segments; tiles split between
+    blocks, plain and gated), and the output is the sums of skinny_linear_sums added in order, rounded, plus the
+    residual."""
     n, k, gated = SHAPES[shape]
     if gated and residual:
         pytest.skip("the gated product takes no residual")
-    assert dispatch.skinny_plan(16, k, n, 2) == dispatch.skinny_plan(8, k, n, 2) == (1024, 3)
+    assert dispatch.skinny_plan(16, k, n, 2) == dispatch.skinny_plan(12, k, n, 2) == (1024, 9)
     x, w = randn(16, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     res = randn(16, n, dtype=torch.bfloat16) if residual else None
     poison((16, n // 2 if gated else n), dtype=torch.bfloat16)
     sixteen = torch.ops.segki.skinny_linear(x, w, res, gated)
-    poison((8, n // 2 if gated else n), dtype=torch.bfloat16)
-    eight = torch.ops.segki.skinny_linear(x[:8].clone(), w, None if res is None else res[:8].clone(), gated)
-    assert torch.equal(sixteen[:8], eight)
+    poison((12, n // 2 if gated else n), dtype=torch.bfloat16)
+    twelve = torch.ops.segki.skinny_linear(x[:12].clone(), w, None if res is None else res[:12].clone(), gated)
+    assert torch.equal(sixteen[:12], twelve)
     assert rel_err(sixteen, want(x, w, gated, res)) < TOL[torch.bfloat16]
+    if not gated:
+        sums = torch.ops.segki.skinny_linear_sums(x, w)                             # [9, 16, n] fp32
+        added = sums[0]
+        for part in sums[1:]:
+            added = added + part
+        y = added.bfloat16() if res is None else (added.bfloat16().float() + res.float()).bfloat16()
+        assert torch.equal(sixteen, y)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
