@@ -633,9 +633,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   SEGKI_DISPATCH_HALF(q.scalar_type(), op, [&] {
     auto run = [&](auto d_const, auto g_const) {
       constexpr int DD = decltype(d_const)::value, GG = decltype(g_const)::value;
-      constexpr auto online = attn_partial_kernel<T, DD, GG, false>, both = attn_partial_kernel<T, DD, GG, true>;
-      const auto partial = batched ? both : online;
-      const int wave = batched ? first_wave_blocks<both>(kWarps * 32, 0) : first_wave_blocks<online>(kWarps * 32, 0);
+      constexpr auto online_kernel = attn_partial_kernel<T, DD, GG, false>;
+      constexpr auto batched_kernel = attn_partial_kernel<T, DD, GG, true>;
+      const auto partial = batched ? batched_kernel : online_kernel;
+      const int wave = batched ? first_wave_blocks<batched_kernel>(kWarps * 32, 0)
+                               : first_wave_blocks<online_kernel>(kWarps * 32, 0);
       const int splits = attention_splits(batched ? 4 : 2, sms, wave, bsz * hkv, s_max);
       auto part_acc = at::empty({bsz, hq, splits, DD}, fopt);
       auto part_m = at::empty({bsz, hq, splits}, fopt);

@@ -42,12 +42,12 @@
 // groups: each stages the least of x), each group stores its sums of a tile to a buffer [segs][m][weight rows] as a
 // plain store, with no counter and no wait, and a second launch (sum_segments_kernel) adds the segments in segment
 // order and applies the epilogue (rounded, plus the residual; gated, the SiLU-mul): the same arithmetic as the
-// gathered segments. It replaces cuBLAS's product, its split-K
-// reduction and the residual add there: 4B decode b=16 +3.7-4.0 %, b=12 +6 % (results/deferred_segments/). Without PDL
-// the products are no faster than cuBLAS's (out_proj 11.6 us against 8.8 + 1.9, down 17.5 against 16.4 + 1.9 + 1.5);
-// the gain is their weight copies going out before the PDL wait. A mixer's output projection hands its sums to the
-// residual add + norm kernel instead (skinny_linear_sums, add_rms_norm_sums in norm.cu): +0.2-0.4 % more. One part a
-// segment instead of the fewest segments that fit (two and three): 4B b=16 +0.5 % (results/one_wave_sums/).
+// gathered segments. It replaces cuBLAS's product, its split-K reduction and the residual add there: 4B decode b=16
+// +3.7-4.0 %, b=12 +6 % (results/deferred_segments/). Without PDL the products are no faster than cuBLAS's (out_proj
+// 11.6 us against 8.8 + 1.9, down 17.5 against 16.4 + 1.9 + 1.5); the gain is their weight copies going out before
+// the PDL wait. A mixer's output projection hands its sums to the residual add + norm kernel instead
+// (skinny_linear_sums, add_rms_norm_sums in norm.cu): +0.2-0.4 % more. One part a segment instead of the fewest
+// segments that fit (two and three): 4B b=16 +0.5 % (results/one_wave_sums/).
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
