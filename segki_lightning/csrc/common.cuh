@@ -196,19 +196,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
 // them, not one per part: the loop over a launch argument kept one load in flight).
 template <int N, int AT_ONCE>
 __device__ __forceinline__ void sum_parts(const float* __restrict__ p, int parts, size_t stride, float (&v)[N]) {
-  constexpr int kAtOnce = AT_ONCE;
 #pragma unroll
   for (int j = 0; j < N; ++j) v[j] = 0.f;
-  for (int s0 = 0; s0 < parts; s0 += kAtOnce) {
-    float4 q[kAtOnce][N / 4];
+  for (int s0 = 0; s0 < parts; s0 += AT_ONCE) {
+    float4 q[AT_ONCE][N / 4];
 #pragma unroll
-    for (int s = 0; s < kAtOnce; ++s)
+    for (int s = 0; s < AT_ONCE; ++s)
 #pragma unroll
       for (int j = 0; j < N; j += 4)
         q[s][j / 4] = s0 + s < parts ? __ldcg(reinterpret_cast<const float4*>(p + (s0 + s) * stride + j))
                                      : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int s = 0; s < kAtOnce; ++s) {
+    for (int s = 0; s < AT_ONCE; ++s) {
       if (s0 + s >= parts) break;
 #pragma unroll
       for (int j = 0; j < N; j += 4)

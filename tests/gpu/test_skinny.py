@@ -128,10 +128,7 @@ def test_deferred_segments_give_each_row_the_bits_it_gets_alone(shape, residual)
     assert torch.equal(sixteen[:12], twelve)
     assert rel_err(sixteen, want(x, w, gated, res)) < TOL[torch.bfloat16]
     if not gated:
-        sums = torch.ops.segki.skinny_linear_sums(x, w)                             # [9, 16, n] fp32
-        added = sums[0]
-        for part in sums[1:]:
-            added = added + part
+        added = R.sum_segments(torch.ops.segki.skinny_linear_sums(x, w))           # [16, n] fp32 of [9, 16, n]
         y = added.bfloat16() if res is None else (added.bfloat16().float() + res.float()).bfloat16()
         assert torch.equal(sixteen, y)
 
@@ -146,10 +143,7 @@ def test_add_rms_norm_of_sums_is_their_rounded_sum_then_the_add_and_norm(width, 
     rows = 5
     sums = randn(parts, rows, width, dtype=torch.float32, scale=3.0)
     res, nw = randn(rows, width, dtype=dtype), randn(width, dtype=dtype, scale=0.2)
-    x = sums[0]
-    for p in sums[1:]:
-        x = x + p
-    want = torch.ops.segki.add_rms_norm(x.to(dtype), res, nw, 1e-6, True)
+    want = torch.ops.segki.add_rms_norm(R.sum_segments(sums).to(dtype), res, nw, 1e-6, True)
     poison((rows, width), (rows, width), dtype=dtype)
     got = torch.ops.segki.add_rms_norm_sums(sums, res, nw, 1e-6, True)
     for g, v in zip(got, want):

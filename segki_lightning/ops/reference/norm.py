@@ -34,15 +34,21 @@ def add_rms_norm(
     return rms_norm(new_residual, weight, eps, unit_offset), new_residual
 
 
+def sum_segments(sums: Tensor) -> Tensor:
+    """Segments' fp32 sums ``[S, ...]`` added in order from the first, as the native kernels add them (the skinny
+    product's sum kernel, add_rms_norm_sums): ``[...]`` fp32."""
+    total = sums[0]
+    for part in sums[1:]:
+        total = total + part
+    return total
+
+
 def add_rms_norm_sums(
     sums: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_offset: bool
 ) -> tuple[Tensor, Tensor]:
     """:func:`add_rms_norm` of x given as fp32 sums ``[S, ..., H]`` (a projection's segments of K): added in order
     from the first, then rounded to the residual's dtype, as the projection's own epilogue would."""
-    x = sums[0]
-    for part in sums[1:]:
-        x = x + part
-    return add_rms_norm(x.to(residual.dtype), residual, weight, eps, unit_offset)
+    return add_rms_norm(sum_segments(sums).to(residual.dtype), residual, weight, eps, unit_offset)
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
