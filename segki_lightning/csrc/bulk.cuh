@@ -136,19 +136,4 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }
 
-// Copies 16 bytes from global `src` to shared `dst` through the load units without a register (sm_80 cp.async,
-// L2 only), so a thread can have all its copies in flight at once; they land by async_wait_all().
-__device__ __forceinline__ void async_copy16(void* dst, const void* src) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-#endif
-}
-
-// Blocks until this thread's async_copy16 copies have landed (visible to it; to the block after a barrier).
-__device__ __forceinline__ void async_wait_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#endif
-}
-
 }  // namespace segki

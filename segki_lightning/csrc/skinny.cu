@@ -51,8 +51,9 @@
 //
 // Norm prologue (norm_w): x is normalized as it is staged, with the norm kernel's arithmetic (the same bits), so
 // the decoder layer launches no norm before the projection: 4B decode b=1 +4.3 %, 0.8B +2.1 %
-// (results/skinny/run6_fold_ring/). Without one, x comes in by async copies, all of a thread's in flight at once
-// (they were loads through registers): decode 4B b=16 +2.2 %, 0.8B b=1-8 +0.9-2.3 % (results/staging16/).
+// (results/skinny/run6_fold_ring/). Without one, x comes in by the copy engine, one copy per row: decode 4B b=16
+// +0.6-0.7 %, 0.8B b=16 +1.5 % over async copies of 16 bytes by every consumer thread (results/bulk_x/), which had
+// gained 4B b=16 +2.2 %, 0.8B b=1-8 +0.9-2.3 % over loads through registers (results/staging16/).
 #include "bulk.cuh"
 #include "common.cuh"
 #include "timeline.cuh"
@@ -271,14 +272,15 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 // holds the one staging it runs.
 template <typename T, int MAXM, bool NORM, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, int seg, T* xs, float (*scratch)[32], uint4 w0,
-                                        uint4 w1, Stamps& st) {
-  if (!NORM || a.norm_w == nullptr) {  // every copy in flight at once: one round trip, whatever the rows
-    const T* x = a.x + (size_t)seg * a.ks;
-    for (int i = threadIdx.x; i < a.m * a.ks / 8; i += kConsumers) {
-      const int r = i / (a.ks / 8), c = (i - r * (a.ks / 8)) * 8;
-      async_copy16(xs + (size_t)r * (a.ks + kPad) + c, x + (size_t)r * a.k + c);
-    }
-    async_wait_all();
+                                        uint4 w1, uint64_t* x_bar, Stamps& st) {
+  if (!NORM || a.norm_w == nullptr) {  // one copy per row by the copy engine, lanes of warp 0, all in flight at once
+    const int lane = threadIdx.x;
+    if (lane == 0) mbar_expect(x_bar, (unsigned)(a.m * a.ks * sizeof(T)));
+    __syncwarp();
+    if (lane < a.m)
+      bulk_load(xs + (size_t)lane * (a.ks + kPad), a.x + (size_t)lane * a.k + (size_t)seg * a.ks,
+                (unsigned)(a.ks * sizeof(T)), x_bar);
+    mbar_wait(x_bar, 0);
     mark<STAMP>(st, kLoaded);
     mark<STAMP>(st, kReduced);
     return;
@@ -392,7 +394,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
   mark_start<STAMP>(st);
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
-  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots];
+  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots], x_bar;  // x_bar: x staged (one phase)
   __shared__ float red[kWarps][kMaxRows][kRedStride];
   __shared__ unsigned long long landed;  // STAMP only: the clock when the block's last unit had landed
   __shared__ int last;                    // segs > 1: whether the block's sums of a tile came last (finish_tile)
@@ -415,6 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       mbar_init(&full[s]);
       mbar_init(&empty[s], kWarps);
     }
+    mbar_init(&x_bar);
     bulk_fence_init();
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
@@ -443,7 +446,8 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   pdl_wait();
   mark<STAMP>(st, kWaited);
   // red is free until the first tile ends
-  stage_x<T, MAXM, SEGS == kWhole, STAMP>(a, seg, xs, reinterpret_cast<float(*)[32]>(&red[0][0][0]), w0, w1, st);
+  float(*scratch)[32] = reinterpret_cast<float(*)[32]>(&red[0][0][0]);
+  stage_x<T, MAXM, SEGS == kWhole, STAMP>(a, seg, xs, scratch, w0, w1, &x_bar, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
