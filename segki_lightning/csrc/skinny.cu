@@ -268,17 +268,18 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 }
 
 // Segment `seg` of x [m, K] (its ks columns) into shared memory (rows ks + kPad apart) for the block's life,
-// normalized when the launch has a norm. MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel
-// holds the one staging it runs.
+// normalized when the launch has a norm; without one by the copy engine, row r by consumer thread r, landing on
+// x_bar (its one phase). MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel holds the one staging
+// it runs.
 template <typename T, int MAXM, bool NORM, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, int seg, T* xs, float (*scratch)[32], uint4 w0,
                                         uint4 w1, uint64_t* x_bar, Stamps& st) {
-  if (!NORM || a.norm_w == nullptr) {  // one copy per row by the copy engine, lanes of warp 0, all in flight at once
-    const int lane = threadIdx.x;
-    if (lane == 0) mbar_expect(x_bar, (unsigned)(a.m * a.ks * sizeof(T)));
+  if (!NORM || a.norm_w == nullptr) {  // every row's copy in flight at once
+    const int r = threadIdx.x;           // the row this thread copies, if any (the first warp's lanes)
+    if (r == 0) mbar_expect(x_bar, (unsigned)(a.m * a.ks * sizeof(T)));
     __syncwarp();
-    if (lane < a.m)
-      bulk_load(xs + (size_t)lane * (a.ks + kPad), a.x + (size_t)lane * a.k + (size_t)seg * a.ks,
+    if (r < a.m)
+      bulk_load(xs + (size_t)r * (a.ks + kPad), a.x + (size_t)r * a.k + (size_t)seg * a.ks,
                 (unsigned)(a.ks * sizeof(T)), x_bar);
     mbar_wait(x_bar, 0);
     mark<STAMP>(st, kLoaded);
