@@ -252,6 +252,62 @@ def test_norms_inside_the_projections_decode_exactly_like_the_separate_norms(tmp
     assert calls == ["rms_norm"], calls   # the final norm only: the layers call none
 
 
+def _cut_norm_links(model):
+    """Every decoder layer's link to the norm after it removed: each norm computes its own again."""
+    from segki_lightning.inject.forwards import SPEC
+
+    for layer in model.model.layers:
+        if SPEC in layer.__dict__:   # an injected layer
+            layer.__dict__[SPEC].next_norm = layer.__dict__[SPEC].next_owner = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_next_norms_computed_ahead_decode_exactly_like_their_own_calls(tmp_path, monkeypatch, dtype):
+    """Where the MLP front does not take norm2 inside its launch (on a GPU past 8 rows), each decode step's MLP
+    residual add computes the next layer's input norm, and after the last layer the final norm, with the add
+    (``ops.add_rms_norm``): the step calls no norm of its own. Tokens and log-probs equal those of each norm
+    computing its own call exactly (the same roundings), on the GDN and the attention layers."""
+    from segki_lightning import ops
+
+    model = build_model("qwen3_5", tmp_path, dtype=dtype)
+    prompts = random_prompts([5, 9, 3])
+    cfg = SamplingConfig(max_new_tokens=8, temperature=1.0, seed=5)
+    engine = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False)
+    ahead = engine.generate(prompts, cfg)
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "linear_add_rms_norm"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name,
+                            lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    with torch.no_grad():
+        engine._step(4)
+    layers = len(model.model.layers)
+    assert calls == ["linear_add_rms_norm", "add_rms_norm"] * layers, calls   # out_proj + norm2, down + next norm
+    _cut_norm_links(model)
+    calls.clear()
+    own = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False).generate(prompts, cfg)
+    assert "rms_norm" in calls
+    assert torch.equal(ahead.completion_ids, own.completion_ids)
+    assert torch.equal(ahead.logprobs, own.logprobs)
+
+
+def test_a_hooked_next_layer_computes_its_own_norm_at_decode(tmp_path):
+    """A forward pre-hook on a decoder layer may change the hidden states in place before its norm reads them, so the
+    layer before hands it no norm computed ahead: decode equals that of every norm computing its own call."""
+    model = build_model("qwen3_5", tmp_path)
+    prompts = random_prompts([4, 7])
+    cfg = SamplingConfig(max_new_tokens=6, temperature=1.0, seed=2)
+    def shift(module, args):
+        args[0].add_(0.5)
+
+    engine = RolloutEngine(model, max_batch_size=2, max_seq_len=32, graph_capture=False)   # injected, verified
+    model.model.layers[2].register_forward_pre_hook(shift)
+    hooked = engine.generate(prompts, cfg)
+    _cut_norm_links(model)
+    own = RolloutEngine(model, max_batch_size=2, max_seq_len=32, graph_capture=False).generate(prompts, cfg)
+    assert torch.equal(hooked.logprobs, own.logprobs)
+
+
 def test_a_hooked_input_norm_keeps_its_own_call_at_decode(tmp_path):
     """A forward hook on a decoder layer's input norm must see every call, so that layer keeps the norm as its own
     op at decode (the fold would skip the module)."""

@@ -69,6 +69,7 @@ def apply_segment_ki(model: nn.Module, kinds: Iterable[str] = KINDS, verify: boo
         return model.__dict__[_REPORT]
     report = SegmentReport()
     segments = _detect(model, set(kinds), report)
+    _link_layers(model, segments)
     owners = {s.owner for s in segments}
     recorded = _record(model, owners) if verify else {}
     if verify and recorded is None:
@@ -143,6 +144,24 @@ def _detect(model: nn.Module, kinds: set[str], report: SegmentReport) -> list[_S
     return segments
 
 
+def _link_layers(model: nn.Module, segments: list[_Segment]) -> None:
+    """Each decoder layer's next norm (``LayerSpec.next_norm``): the next layer's input norm in the same list, or
+    after the list's last layer the final norm beside it (``norm`` of the module holding the list), where that norm
+    is injected too. The link lets a decode step compute that norm ahead (``forwards.normed_ahead``); a call with
+    any other tensor than the layer's output ignores it."""
+    layers = {s.owner: s.installs[0][2] for s in segments if s.kind == "decoder_layer"}
+    norms = {s.owner for s in segments if s.kind == "rms_norm"}
+    for holder in model.modules():
+        for seq in (list(c) for c in holder.children() if isinstance(c, nn.ModuleList)):
+            for layer, nxt in zip(seq, [*seq[1:], None]):
+                if layer not in layers:
+                    continue
+                if nxt is not None and nxt in layers and nxt.input_layernorm in norms:
+                    layers[layer].next_norm, layers[layer].next_owner = nxt.input_layernorm, nxt
+                elif nxt is None and getattr(holder, "norm", None) in norms:
+                    layers[layer].next_norm = layers[layer].next_owner = holder.norm
+
+
 def _qkv_segment(name: str, m: nn.Module) -> _Segment:
     group = match_attention_qkv(m)
     return _Segment("attention_qkv", name, m, [(group.q, fw.q_proj_forward, group),
@@ -171,6 +190,7 @@ def _install(s: _Segment) -> None:
 def _restore(m: nn.Module) -> None:
     saved = m.__dict__.pop(_SAVED, None)
     m.__dict__.pop(fw.SPEC, None)
+    m.__dict__.pop(fw.AHEAD, None)
     if saved is None:
         m.__dict__.pop("forward", None)
     else:

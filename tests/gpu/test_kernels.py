@@ -140,6 +140,8 @@ def test_rms_norm_and_residual_add(rows, h, unit_offset, dtype):
     want_normed, want_res = R.add_rms_norm(x, res, w, 1e-6, unit_offset)
     assert torch.equal(new_res, want_res)  # one rounded add: exact
     assert rel_err(normed, want_normed) < TOL[dtype]
+    # the norm of the rounded sum, as rms_norm computes it: a decode step computes the next layer's norm so, ahead
+    assert torch.equal(normed, torch.ops.segki.rms_norm(new_res, w, 1e-6, unit_offset))
 
 
 def test_rms_norm_of_a_strided_view_takes_the_native_kernel():

@@ -172,6 +172,27 @@ def test_norms_inside_the_projections_give_the_decode_of_the_separate_norms_bit_
     assert torch.equal(folded.logprobs, separate.logprobs)
 
 
+@pytest.mark.parametrize("rows", [12, 32])
+def test_next_norms_computed_ahead_give_the_decode_of_their_own_calls_bit_for_bit(tmp_path, rows):
+    """Past the rows where the MLP front takes norm2 inside its launch, each layer's MLP residual add computes the
+    next layer's input norm (after the last layer the final norm) ahead: at 12 rows after the skinny down, at 32
+    after cuBLAS's, where it replaces a PyTorch add. Tokens and log-probs equal those of each norm computing its
+    own call exactly."""
+    from segki_lightning.inject.forwards import SPEC
+
+    model = cuda_model(tmp_path, seed=6)
+    ps = prompts([4 + i % 9 for i in range(rows)], seed=8)
+    cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, seed=4)
+    ahead = RolloutEngine(model, max_batch_size=rows, max_seq_len=48, eos_token_id=[]).generate(ps, cfg)
+    specs = [layer.__dict__[SPEC] for layer in model.model.layers]
+    assert all(s.next_norm is not None for s in specs)
+    for s in specs:
+        s.next_norm = s.next_owner = None
+    own = RolloutEngine(model, max_batch_size=rows, max_seq_len=48, eos_token_id=[]).generate(ps, cfg)
+    assert torch.equal(ahead.completion_ids, own.completion_ids)
+    assert torch.equal(ahead.logprobs, own.logprobs)
+
+
 # Qwen3.5-4B's layer widths, one GDN and one attention layer: at 16 rows its o_proj / out_proj (K = 4096) and down
 # (K = 9216) run in deferred segments of K
 QWEN35_4B_LAYERS = dict(hidden_size=2560, intermediate_size=9216, num_hidden_layers=2, num_attention_heads=16,
