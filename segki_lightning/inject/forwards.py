@@ -299,7 +299,8 @@ class LayerSpec:
     post_norm: NormSpec
     next_norm: nn.Module | None = None   # the norm the layer's output meets next: the next layer's input norm, or
                                          # after the last layer the model's final norm (set by the injection)
-    next_owner: nn.Module | None = None  # the module called with the output: the next layer, or the final norm
+    next_owner: nn.Module | None = None  # the module called with the output (set with next_norm): the next layer, or
+                                         # the final norm
 
 
 def decoder_layer_forward(self: nn.Module, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
@@ -404,11 +405,10 @@ def _mlp_ahead(self: nn.Module, s: LayerSpec, normed: Tensor, residual: Tensor) 
     b=16 lost 1.4-1.5 %."""
     mlp, nxt = self.mlp, s.next_norm
     if (nxt is None or not _plain(mlp, gated_mlp_forward) or not _plain(nxt, rms_norm_forward) or _hooked(self)
-            or s.next_owner is None or _hooked(s.next_owner)):
+            or _hooked(s.next_owner)):
         return _mlp(self, normed, residual)
     bsz, ns = normed.shape[0], spec(nxt)
-    front = ops.gated_mlp_front(normed[:, 0], mlp.gate_proj.weight, mlp.up_proj.weight)   # [B, I]
-    after, out = ops.add_rms_norm(ops.linear(front, mlp.down_proj.weight), residual[:, 0], nxt.weight, ns.eps,
+    after, out = ops.add_rms_norm(gated_mlp_forward(mlp, normed[:, 0]), residual[:, 0], nxt.weight, ns.eps,
                                   ns.unit_offset)                                         # [B, H] x2
     out = out.view(bsz, 1, -1)                                                            # [B, 1, H]
     nxt.__dict__[AHEAD] = (out, after.view(bsz, 1, -1))
