@@ -4,10 +4,11 @@
 // with the norm as its own kernel before (results/staging16/: 0.8B b=16 +13.7 %, 4B +2.2 %).
 //
 // One block per SM, resident for the whole product. The work is a list of units (a 16-row weight tile x one part
-// of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization). Each unit is
-// copied into a ring of shared-memory slots by the copy engine (16 row copies of 2-4 KB, requested up to `slots`
-// units ahead; the first ones before the PDL wait, since weights do not depend on the previous kernel) by a warp
-// of its own: a block completes one bulk copy per ~55 ns (results/mma_ring/), so a unit's 16 copies take ~0.9 us
+// of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization), or at 9-16
+// rows with four tiles or more a block, whole tiles by a queue (produce_queued: 4B decode b=16 +3.6-3.9 %). Each
+// unit is copied into a ring of shared-memory slots by the copy engine (16 row copies of 2-4 KB, requested up to
+// `slots` units ahead; the first ones before the PDL wait, since weights do not depend on the previous kernel) by a
+// warp of its own: a block completes one bulk copy per ~55 ns (results/mma_ring/), so a unit's 16 copies take ~0.9 us
 // to go out, which the first version (warp 0 issued them between its products) added to every unit. x stays in
 // shared memory for the block's life. 8 consumer warps multiply an eighth of each unit's columns on tensor cores
 // (mma.m16n8k16: A = the 16 weight rows, B = up to 16 rows of x; a lane's 8 consecutive k map to fragment slots
@@ -87,6 +88,8 @@ struct SkinnyArgs {
   float* seg_sums;    // [tiles][segs][kMaxRows * kTile]: each segment's sums of a tile (gathered segments)
   int* arrived;       // [tiles]: segments whose sums are in, reset by the block that added them (gathered)
   float* seg_out;     // [segs][m][weight rows]: each segment's sums, added by sum_segments_kernel (deferred)
+  int* queue;         // [segs]: the counters of the launch's tile queues, one a group (zero between launches)
+  bool x_pieces;      // x staged in two pieces (stage_x), with a queue only
   int m, k, n;        // n: output columns
   int kp, parts;      // columns per part of K, parts per segment (kp a multiple of 8 warps x 32)
   int segs, ks;       // segments of K (groups of blocks), columns per segment: ks = parts * kp
@@ -143,6 +146,56 @@ struct UnitCursor {
     if (++p == parts) p = 0, ++t;
   }
 };
+
+// A group's tiles dealt by a queue (9-16 rows, where the tiles are many a block: kQueueTiles), so that a block that
+// streams faster takes more of them: blocks of equal units ran 17.5-23 us in one launch, their pace uncorrelated from
+// one launch to the next, so a fixed deal ends at the slowest block's pace (results/one_wave_sums/). Block j of the
+// group takes tile j first (its copies go out before the PDL wait with no round trip), then tiles group, group + 1,
+// ... in the order the blocks draw them from the group's counter. Lane 0 keeps two draws in flight, so that a draw's
+// round trip overlaps a tile's copies even at one part a tile. A tile is whole in one block, every part in part
+// order, so its sums have the same bits whichever block takes it. A thread's draws on one counter come back in the
+// order it made them, so once a block sees a draw past the tiles its other one is past them too: every block draws
+// exactly twice past them, a launch tiles + group times, and the block holding the last draw sets the counter back
+// to zero. Returns the units issued; after them the slot that follows carries tile -1, the consumers' end.
+template <bool GATED, typename T>
+__device__ __forceinline__ int produce_queued(const SkinnyArgs<T>& a, int seg, int first, int group, T* ring,
+                                              size_t slot_elems, uint64_t* full, uint64_t* empty, int* slot_tile,
+                                              uint64_t policy) {
+  const int lane = threadIdx.x & 31, last = a.tiles + group - 1;  // the launch's last draw
+  int* counter = a.queue + seg;
+  int drawn = 0, after = 0;  // lane 0: the two draws in flight, in the order made
+  if (lane == 0) {
+    drawn = atomicAdd(counter, 1);
+    after = atomicAdd(counter, 1);
+  }
+  int slot = 0, issued = 0;
+  unsigned phase = 0;
+  for (int t = first; t < a.tiles;) {
+    for (int p = 0; p < a.parts; ++p) {
+      if (issued >= a.slots) mbar_wait(&empty[slot], phase ^ 1u);  // the slot's previous round consumed
+      if (lane == 0) slot_tile[slot] = t;  // published by the arrival in issue_unit
+      issue_unit<GATED>(a, t, seg * a.parts + p, ring + slot * slot_elems, &full[slot], policy);
+      ++issued;
+      if (++slot == a.slots) slot = 0, phase ^= 1u;
+    }
+    const int c = __shfl_sync(0xffffffffu, drawn, 0);
+    t = group + c;
+    if (lane == 0) {
+      if (t < a.tiles) {
+        drawn = after;
+        after = atomicAdd(counter, 1);
+      } else if (c == last || after == last) {
+        atomicExch(counter, 0);
+      }
+    }
+  }
+  if (issued >= a.slots) mbar_wait(&empty[slot], phase ^ 1u);
+  if (lane == 0) {
+    slot_tile[slot] = -1;
+    mbar_arrive(&full[slot]);
+  }
+  return issued;
+}
 
 // acc[j] += this warp's columns of the unit in `slot` (part p of the block's segment, ks columns) times x rows
 // 8j..8j+7.
@@ -269,18 +322,30 @@ __device__ __forceinline__ void stage_normed(const SkinnyArgs<T>& a, T* xs, floa
 
 // Segment `seg` of x [m, K] (its ks columns) into shared memory (rows ks + kPad apart) for the block's life,
 // normalized when the launch has a norm; without one by the copy engine, row r by consumer thread r, landing on
-// x_bar (its one phase). MAXM: the most rows the kernel takes (1, 2, 4, 8 or 16): each kernel holds the one staging
-// it runs.
-template <typename T, int MAXM, bool NORM, bool STAMP>
+// x_bar[0] (its one phase). PIECES (x_in_pieces): the first part of K on x_bar[0], the rest on x_bar[1], and no
+// wait here: the consumers wait for each piece as they first multiply it. MAXM: the most rows the kernel takes
+// (1, 2, 4, 8 or 16): each kernel holds the one staging it runs.
+template <typename T, int MAXM, bool NORM, bool PIECES, bool STAMP>
 __device__ __forceinline__ void stage_x(const SkinnyArgs<T>& a, int seg, T* xs, float (*scratch)[32], uint4 w0,
                                         uint4 w1, uint64_t* x_bar, Stamps& st) {
-  if (!NORM || a.norm_w == nullptr) {  // every row's copy in flight at once
+  if (!NORM || a.norm_w == nullptr) {  // every row's copies in flight at once
     const int r = threadIdx.x;           // the row this thread copies, if any (the first warp's lanes)
+    T* dst = xs + (size_t)r * (a.ks + kPad);
+    const T* src = a.x + (size_t)r * a.k + (size_t)seg * a.ks;
+    if (PIECES && a.x_pieces) {
+      if (r < 2) mbar_expect(&x_bar[r], (unsigned)(a.m * (r == 0 ? a.kp : a.ks - a.kp) * sizeof(T)));
+      __syncwarp();
+      if (r < a.m) {
+        bulk_load(dst, src, (unsigned)(a.kp * sizeof(T)), &x_bar[0]);
+        bulk_load(dst + a.kp, src + a.kp, (unsigned)((a.ks - a.kp) * sizeof(T)), &x_bar[1]);
+      }
+      mark<STAMP>(st, kLoaded);  // requested, not landed
+      mark<STAMP>(st, kReduced);
+      return;
+    }
     if (r == 0) mbar_expect(x_bar, (unsigned)(a.m * a.ks * sizeof(T)));
     __syncwarp();
-    if (r < a.m)
-      bulk_load(xs + (size_t)r * (a.ks + kPad), a.x + (size_t)r * a.k + (size_t)seg * a.ks,
-                (unsigned)(a.ks * sizeof(T)), x_bar);
+    if (r < a.m) bulk_load(dst, src, (unsigned)(a.ks * sizeof(T)), x_bar);
     mbar_wait(x_bar, 0);
     mark<STAMP>(st, kLoaded);
     mark<STAMP>(st, kReduced);
@@ -389,20 +454,23 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, int s
 
 // SEGS: how the launch's segments of K meet (SegMode; an instantiation each, so that the others carry none of its
 // code).
-template <typename T, int MAXM, bool GATED, int SEGS, bool STAMP>
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool STAMP>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
   constexpr int NB = (MAXM + 7) / 8;  // mma N-groups of 8 rows of x
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
   mark_start<STAMP>(st);
   extern __shared__ __align__(128) unsigned char skinny_smem[];  // ring [slots][16][kp + kPad], then x [m][k + kPad]
-  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots], x_bar;  // x_bar: x staged (one phase)
+  // x_bar: x staged (one phase; with a queue, one a piece)
+  __shared__ __align__(8) uint64_t full[kMaxSlots], empty[kMaxSlots], x_bar[2];
   __shared__ float red[kWarps][kMaxRows][kRedStride];
   __shared__ unsigned long long landed;  // STAMP only: the clock when the block's last unit had landed
   __shared__ int last;                    // segs > 1: whether the block's sums of a tile came last (finish_tile)
+  __shared__ int slot_tile[kMaxSlots];    // QUEUE: the tile each slot holds, -1 past the block's last
   T* ring = reinterpret_cast<T*>(skinny_smem);
   const size_t slot_elems = (size_t)kTile * (a.kp + kPad);
   T* xs = ring + a.slots * slot_elems;
-  // the block's segment of K: blocks [b0, b0 + group) are group seg; its units split in equal contiguous ranges
+  // the block's segment of K: blocks [b0, b0 + group) are group seg; without a queue its units split in equal
+  // contiguous ranges
   int seg = 0, b0 = 0, group = (int)gridDim.x;
   if constexpr (SEGS != kWhole) {
     while ((seg + 1) * (int)gridDim.x / a.segs <= (int)blockIdx.x) ++seg;
@@ -418,20 +486,27 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       mbar_init(&full[s]);
       mbar_init(&empty[s], kWarps);
     }
-    mbar_init(&x_bar);
+    mbar_init(&x_bar[0]);
+    mbar_init(&x_bar[1]);
     bulk_fence_init();
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
   if (warp == kWarps) {  // the producer: weights only, so its first copies go out before the PDL wait
     pdl_launch_dependents();
     const uint64_t policy = l2_evict_first();
-    UnitCursor at(u0, a.parts);
-    for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
-      if (u - u0 >= a.slots) mbar_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's previous round consumed
-      issue_unit<GATED>(a, at.t, seg * a.parts + at.p, ring + at.slot * slot_elems, &full[at.slot], policy);
+    int issued = u1 - u0;
+    if constexpr (QUEUE) {
+      issued = produce_queued<GATED>(a, seg, (int)blockIdx.x - b0, group, ring, slot_elems, full, empty, slot_tile,
+                                     policy);
+    } else {
+      UnitCursor at(u0, a.parts);
+      for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
+        if (u - u0 >= a.slots) mbar_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's previous round consumed
+        issue_unit<GATED>(a, at.t, seg * a.parts + at.p, ring + at.slot * slot_elems, &full[at.slot], policy);
+      }
     }
     if constexpr (STAMP) {  // when the copies, not the consumers, were done: the last unit's barrier completing
-      const int c = u1 - 1 - u0;
+      const int c = issued - 1;
       mbar_wait(&full[c % a.slots], (unsigned)(c / a.slots) & 1u);
       if (threadIdx.x == kConsumers) landed = clock64();
       landed_arrive();
@@ -448,46 +523,84 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   mark<STAMP>(st, kWaited);
   // red is free until the first tile ends
   float(*scratch)[32] = reinterpret_cast<float(*)[32]>(&red[0][0][0]);
-  stage_x<T, MAXM, SEGS == kWhole, STAMP>(a, seg, xs, scratch, w0, w1, &x_bar, st);
+  stage_x<T, MAXM, SEGS == kWhole, QUEUE, STAMP>(a, seg, xs, scratch, w0, w1, x_bar, st);
   consumers_sync();  // x is in place (and the norm's scratch read) before any product
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
   unsigned long long t0 = 0;  // STAMP only
-  UnitCursor at(u0, a.parts);
-  const int head_tile = at.p != 0 ? at.t : -1;  // the tile the block starts inside, if it does
   // At one row group a tile's sums take half of red (x rows 0-7), so consecutive tiles use the halves in turn: a
   // warp stashes into a half only after the barrier of the tile between, which every warp passes after reading it.
   bool upper = false;
-  for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
-    if constexpr (STAMP) t0 = clock64();
-    mbar_wait(&full[at.slot], at.phase);
-    if constexpr (STAMP) {
-      if (u == u0) mark<STAMP>(st, kFirst);
-      else st.unit_wait += clock64() - t0;
-    }
-    mma_unit<T, NB>(ring + at.slot * slot_elems, xs, a.m, a.ks, a.kp, at.p, acc);
-    if (u == u1 - 1) mark<STAMP>(st, kLast);
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[at.slot]);  // this warp is done with the slot
-    if (at.p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
-      if constexpr (STAMP) t0 = clock64();
-      float(*sums)[kMaxRows][kRedStride] =
-          upper ? reinterpret_cast<float(*)[kMaxRows][kRedStride]>(&red[0][8][0]) : red;
-      stash<NB>(acc, sums);
-      consumers_sync();
-      finish_tile<T, GATED, SEGS>(a, at.t, seg, at.t == head_tile, at.p != a.parts - 1, sums, &last);
-      if constexpr (NB == 1) upper = !upper;
-      else consumers_sync();  // red is read before the next tile's sums go in
+  // The warps' sums of tile t into red, then finish_tile (head / tail: the block starts / ends inside it).
+  auto end_tile = [&](int t, bool head, bool tail) {
+    float(*sums)[kMaxRows][kRedStride] = upper ? reinterpret_cast<float(*)[kMaxRows][kRedStride]>(&red[0][8][0]) : red;
+    stash<NB>(acc, sums);
+    consumers_sync();
+    finish_tile<T, GATED, SEGS>(a, t, seg, head, tail, sums, &last);
+    if constexpr (NB == 1) upper = !upper;
+    else consumers_sync();  // red is read before the next tile's sums go in
 #pragma unroll
-      for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  };
+  int done = 0;  // units multiplied
+  if constexpr (QUEUE) {
+    int slot = 0, p = 0;
+    unsigned phase = 0;
+    unsigned long long ended = 0;  // STAMP only: the last tile end's cycles, counted once a unit follows it
+    int x_next = a.x_pieces ? 0 : -1;  // x's next piece to see landed (stage_x): 0 before part 0, 1 before part 1
+    for (;; ++done) {
+      if constexpr (STAMP) t0 = clock64();
+      mbar_wait(&full[slot], phase);
+      const int t = slot_tile[slot];
+      if (t < 0) break;  // the block's tiles are done
+      if (p == x_next) {
+        mbar_wait(&x_bar[x_next], 0);
+        x_next = x_next == 0 ? 1 : -1;
+      }
       if constexpr (STAMP) {
-        if (u < u1 - 1) st.tile_ends += clock64() - t0;
+        if (done == 0) mark<STAMP>(st, kFirst);
+        else st.unit_wait += clock64() - t0;
+        st.tile_ends += ended;
+        ended = 0;
+      }
+      mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.ks, a.kp, p, acc);
+      mark<STAMP>(st, kLast);
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);  // this warp is done with the slot
+      if (++slot == a.slots) slot = 0, phase ^= 1u;
+      if (++p == a.parts) {  // the tile ends here
+        if constexpr (STAMP) t0 = clock64();
+        end_tile(t, false, false);
+        p = 0;
+        if constexpr (STAMP) ended = clock64() - t0;
+      }
+    }
+  } else {
+    UnitCursor at(u0, a.parts);
+    const int head_tile = at.p != 0 ? at.t : -1;  // the tile the block starts inside, if it does
+    for (int u = u0; u < u1; ++u, ++done, at.next(a.slots, a.parts)) {
+      if constexpr (STAMP) t0 = clock64();
+      mbar_wait(&full[at.slot], at.phase);
+      if constexpr (STAMP) {
+        if (u == u0) mark<STAMP>(st, kFirst);
+        else st.unit_wait += clock64() - t0;
+      }
+      mma_unit<T, NB>(ring + at.slot * slot_elems, xs, a.m, a.ks, a.kp, at.p, acc);
+      if (u == u1 - 1) mark<STAMP>(st, kLast);
+      __syncwarp();
+      if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[at.slot]);  // this warp is done with the slot
+      if (at.p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
+        if constexpr (STAMP) t0 = clock64();
+        end_tile(at.t, at.t == head_tile, at.p != a.parts - 1);
+        if constexpr (STAMP) {
+          if (u < u1 - 1) st.tile_ends += clock64() - t0;
+        }
       }
     }
   }
   if constexpr (STAMP) {
     landed_wait();
-    if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, u1 - u0, landed);
+    if (threadIdx.x == 0) write_stamps(a.stamps, a.launch_id, st, done, landed);
   }
 }
 
@@ -559,7 +672,16 @@ struct Workspace {
   int* ready = nullptr;
   float* seg_sums = nullptr;
   int* arrived = nullptr;
+  int* queues = nullptr;
 };
+
+// The tile queues' counters (9-16 rows): each launch takes the next kQueueStride of kQueueCounters in turn (one a
+// segment), so a launch that starts under PDL before the one before it has ended never shares a counter with it.
+constexpr int kQueueStride = 64;  // segments a launch may have (parts of K at most 64, part_cols)
+constexpr int kQueueCounters = 64 * kQueueStride;
+constexpr int kQueueTiles = 4;        // tiles a block from which a launch deals them by a queue
+constexpr int kMinPieceBytes = 2048;  // x in two pieces where a row's first part is at least this long: a block
+                                      // completes one copy per ~55 ns, so short copies of x cost more than they save
 
 Workspace workspace() {
   static std::vector<at::Tensor> keep;
@@ -580,9 +702,17 @@ Workspace workspace() {
     ws[dev].seg_sums = keep.back().data_ptr<float>();
     keep.push_back(at::zeros({(long)kMaxSegTiles}, opts.dtype(at::kInt)));
     ws[dev].arrived = keep.back().data_ptr<int>();
+    keep.push_back(at::zeros({(long)kQueueCounters}, opts.dtype(at::kInt)));
+    ws[dev].queues = keep.back().data_ptr<int>();
     C10_CUDA_CHECK(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()));
   }
   return ws[dev];
+}
+
+// The counters of a launch's tile queues: the next kQueueStride of the workspace's (`queues`) in turn.
+int* next_queues(int* queues) {
+  static std::atomic<unsigned> next{0};
+  return queues + (next.fetch_add(1, std::memory_order_relaxed) % (kQueueCounters / kQueueStride)) * kQueueStride;
 }
 
 // The grid: every block resident at once (a block may wait for the next one's partial sums), at most one per tile in
@@ -592,9 +722,33 @@ Workspace workspace() {
 // measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A grid
 // capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B 357.2 -> 351.1;
 // 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE>
+void launch_grid(const SkinnyArgs<T>& a, const SkinnyPlan& plan, int grid) {
+  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false>;
+  allow_dynamic_smem<kernel>(kSmemBytes);
+  StampState& stamps = stamp_state();  // timeline.cuh
+  if (stamps.buf == nullptr) {
+    launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
+                    a);
+    return;
+  }
+  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true>;
+  allow_dynamic_smem<stamped>(kSmemBytes);
+  SkinnyArgs<T> s = a;
+  s.stamps = stamps.buf;
+  s.launch_id = stamp_launch(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts * a.segs, a.tiles});
+  launch_pdl_smem(stamped, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
+                  s);
+}
+
+// At 9-16 rows, where a block's group has at least kQueueTiles tiles a block, they are dealt by a queue
+// (produce_queued) and x comes in two pieces where the first part's row copies are long enough (kMinPieceBytes):
+// decode 4B b=16 T=1 +3.6-3.9 %, b=12 +3.0 %, the 0.8B within 0.4 % (results/tile_queue/run2_landed/). On every
+// 16-row product, the 0.8B's 2.9-3.4 tiles a block included, the queue (one draw in flight) gave 4B b=16 +3.4-3.5 %
+// and 0.8B -4.7 %; x by every part (the 0.8B down's 112 copies of 1 KB a block) 4B +3.9-4.0 %, 0.8B -8 % (run1).
 template <typename T, int MAXM, bool GATED, int SEGS = kWhole>
-void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
-  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false>;
+void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
+  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false, false>;
   allow_dynamic_smem<kernel>(kSmemBytes);
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
@@ -602,19 +756,17 @@ void launch(const SkinnyArgs<T>& a, const SkinnyPlan& plan) {
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int grid = std::min({resident, a.tiles * a.segs, kMaxGrid});
   TORCH_CHECK(grid >= a.segs, "segki::skinny_linear: ", a.segs, " segments of K need as many resident blocks");
-  StampState& stamps = stamp_state();  // timeline.cuh
-  if (stamps.buf == nullptr) {
-    launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
-                    a);
-    return;
+  if constexpr (MAXM == kMaxRows) {
+    if ((long)a.tiles * a.segs >= (long)kQueueTiles * grid) {
+      TORCH_CHECK(a.segs <= kQueueStride, "segki::skinny_linear: ", a.segs, " segments of K, past the ", kQueueStride,
+                  " the tile queues have room for");
+      a.queue = next_queues(a.queue);
+      a.x_pieces = a.norm_w == nullptr && a.parts >= 2 && a.kp * sizeof(T) >= kMinPieceBytes;  // a norm: stage_normed
+      launch_grid<T, MAXM, GATED, SEGS, true>(a, plan, grid);
+      return;
+    }
   }
-  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, true>;
-  allow_dynamic_smem<stamped>(kSmemBytes);
-  SkinnyArgs<T> s = a;
-  s.stamps = stamps.buf;
-  s.launch_id = stamp_launch(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts * a.segs, a.tiles});
-  launch_pdl_smem(stamped, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
-                  s);
+  launch_grid<T, MAXM, GATED, SEGS, false>(a, plan, grid);
 }
 
 // The instantiation for a.m rows: 1, 2, 3-4, 5-8 and 9-16 rows each have their own, holding only their staging
@@ -733,6 +885,7 @@ at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor&
     a.ready = ws.ready;
     a.seg_sums = ws.seg_sums;
     a.arrived = ws.arrived;
+    a.queue = ws.queues;  // launch() takes its counters from them
     a.seg_out = deferred ? seg_out.data_ptr<float>() : nullptr;
     a.m = (int)m;
     a.k = (int)k;

@@ -58,8 +58,9 @@ FOLD_ROWS = 2
 
 
 # The skinny product (csrc/skinny.cu: one block per SM, a producer warp streaming 16-row weight tiles through the
-# copy engine, 8 warps on tensor cores, stream-K over the tiles) takes every projection at 1-SKINNY_ROUTE_ROWS rows
-# where it runs, in place of the GEMVs (and of cuBLAS past one row on the large weights). Measured on the H200
+# copy engine, 8 warps on tensor cores, stream-K over the tiles, or a queue of them at 9-16 rows) takes every
+# projection at 1-SKINNY_ROUTE_ROWS rows where it runs, in place of the GEMVs (and of cuBLAS past one row on the
+# large weights). Measured on the H200
 # (benchmarks/results/skinny/): 4B decode b=1 327.0 -> 354.6 tok/s and b=4 1186.9 -> 1283.5 on the 4B weights
 # alone (run2); on every weight size 0.8B b=1 1163.1 -> 1187.0 and b=4 3280.1 -> 4458.7 (run3 -> run4, one machine),
 # though at one row it gives up the 0.8B conv epilogue. It runs the norm before it in its x staging (folds_norm):

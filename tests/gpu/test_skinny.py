@@ -24,7 +24,8 @@ def native():
 # split tiles in segments of K (K = 9216 at 7-16 rows, as many_parts and 4b_down: three groups of blocks gathered at
 # 7-8 rows, nine deferred at 9-16; 08b_down two at 7-8; 4b_o_proj four at 13-16, deferred),
 # split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down), and a
-# K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8)
+# K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8), and at 9-16 rows tiles
+# dealt by a queue in three parts of K (x in two pieces; with a norm, in one)
 SHAPES = {
     "4b_gate_up": (2 * 9216, 2560, True), "4b_gdn_in": (12352, 2560, False), "4b_o_proj": (2560, 4096, False),
     "4b_down": (2560, 9216, False), "08b_gate_up": (2 * 3584, 1024, True), "08b_down": (1024, 3584, False),
@@ -33,6 +34,7 @@ SHAPES = {
     "split_segments": (16 * 200, 9216, False), "split_segments_gated": (16 * 200, 9216, True),
     "split_short_parts": (16 * 140, 3584, False), "split_short_parts_gated": (16 * 140, 3584, True),
     "wide_k": (16 * 12, 16384, False), "wide_k_gated": (16 * 12, 16384, True),
+    "queue_three_parts": (16 * 600, 3072, False), "queue_three_parts_gated": (16 * 600, 3072, True),
 }
 ROWS = [1, 2, 3, 5, 8, 9, 16]
 
@@ -133,6 +135,36 @@ def test_deferred_segments_give_each_row_the_bits_it_gets_alone(shape, residual)
         assert torch.equal(sixteen, y)
 
 
+@pytest.mark.parametrize("rows", [9, 16])
+@pytest.mark.parametrize("shape", ["4b_gdn_in", "4b_gate_up", "4b_o_proj", "4b_down", "split_segments_gated",
+                                   "queue_three_parts_gated"])
+def test_tile_queues_come_back_to_zero_over_many_launches(shape, rows):
+    """At 9-16 rows, where a block's group has at least four tiles a block (these shapes: whole K in two and three
+    parts, x in two pieces, deferred segments plain and gated), the tiles are dealt by a counter that the launch's last draw sets back to
+    zero, each launch taking the next counters of a ring of 64 launches: 200 launches back to back (three turns of
+    the ring, each starting under PDL beside the one before) and a graph replayed 70 times on the same counters each
+    give the first launch's bits on NaN-poisoned outputs, where a counter left past zero would skip tiles or a shared
+    one deal a tile twice. A tile's sums do not depend on the block that takes it."""
+    n, k, gated = SHAPES[shape]
+    if not dispatch.skinny_fits(rows, k, n, 2):
+        pytest.skip(f"{rows} rows of K = {k} do not fit the path")
+    out_shape = (rows, n // 2 if gated else n)
+    x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    poison(out_shape, dtype=torch.bfloat16)
+    first = torch.ops.segki.skinny_linear(x, w, None, gated)
+    assert rel_err(first, want(x, w, gated)) < TOL[torch.bfloat16]
+    outs = []
+    for _ in range(200):
+        poison(out_shape, dtype=torch.bfloat16)
+        outs.append(torch.ops.segki.skinny_linear(x, w, None, gated))
+    assert all(torch.equal(o, first) for o in outs)
+    graph, out = captured(lambda: torch.ops.segki.skinny_linear(x, w, None, gated))
+    for _ in range(70):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, first)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 6])   # 6: a second round of the 4 parts requested at once
 @pytest.mark.parametrize("width", [1024, 2560, 4104])
@@ -183,7 +215,8 @@ def test_an_output_projection_hands_the_norm_its_sums_with_the_same_bits(rows, d
             torch.ops.segki.skinny_linear_sums(x, w)
 
 
-NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "many_parts"]
+NORM_SHAPES = ["4b_gate_up", "4b_gdn_in", "4b_o_proj", "4b_down", "08b_gate_up", "split_tiles", "many_parts",
+               "queue_three_parts"]
 
 
 @pytest.mark.parametrize("unit_offset", [True, False], ids=["unit_offset", "plain_w"])
@@ -326,14 +359,15 @@ def test_skinny_product_refuses_what_it_does_not_take_with_what_to_change():
     assert rel_err(got, want(x, w, False)) < 1e-2
 
 
-def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit():
+@pytest.mark.parametrize("rows,shape", [(3, "split_tiles"), (16, "4b_gdn_in")])   # 16: tiles dealt by a queue
+def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit(rows, shape):
     """While a stamp buffer is set, each block writes one record (launch id, block, SM, grid, its timer span, the SM
     clock at eight phases in order, the cycles waiting for units and in tile ends inside its first -> last, its
     units: all of them together the launch's; the clock when its last unit had landed, within its span) and the
     launch table names the launch's shape; the outputs are the plain launch's bits; once unset, no launch
     writes."""
-    n, k, _ = SHAPES["split_tiles"]
-    x, w = randn(3, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    n, k, _ = SHAPES[shape]
+    x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     plain = torch.ops.segki.skinny_linear(x, w)
     room, words, phases = 512, 16, 8
     buf = torch.zeros(words * (room + 1), dtype=torch.int64, device="cuda")
@@ -344,8 +378,8 @@ def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit()
     torch.cuda.synchronize()
     assert torch.equal(stamped, plain)
     assert table.shape == (1, 9)
-    launch, kind, rows, kk, nn, gated, grid, parts, tiles = table[0].tolist()
-    assert (kind, rows, kk, nn, gated, tiles) == (0, 3, k, n, 0, n // 16) and parts == k // dispatch.skinny_part_cols(k)
+    launch, kind, m, kk, nn, gated, grid, parts, tiles = table[0].tolist()
+    assert (kind, m, kk, nn, gated, tiles) == (0, rows, k, n, 0, n // 16) and parts == k // dispatch.skinny_part_cols(k)
     count = int(buf[0])
     assert count == grid
     rec = buf[words:words * (count + 1)].view(count, words).cpu()
