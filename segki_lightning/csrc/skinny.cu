@@ -665,8 +665,9 @@ bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& pla
   return ok;
 }
 
-// Per device: the partial sums and flags of split tiles, allocated zeroed on the first product (outside graph
-// capture: the decode engine runs each step eagerly before capturing it) and kept for the process.
+// Per device: the partial sums and flags of split tiles, the gathered segments' sums and counters and the tile
+// queues' counters, allocated zeroed on the first product (outside graph capture: the decode engine runs each step
+// eagerly before capturing it) and kept for the process; every flag and counter is zero again when its launch ends.
 struct Workspace {
   float* partial = nullptr;
   int* ready = nullptr;

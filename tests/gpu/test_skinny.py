@@ -1,6 +1,7 @@
 """The skinny product (``segki::skinny_linear``: 1-16 rows on large weights) against its fp32 reference, on fresh
-random inputs with NaN-poisoned outputs; its split tiles, its determinism, graph replay, its residual and gated
-epilogues, the dispatch that routes the packed projections to it, and its errors (GPU only)."""
+random inputs with NaN-poisoned outputs; its split tiles, tile queues and segments of K, its determinism, graph
+replay, its residual and gated epilogues, the dispatch that routes the packed projections to it, and its errors (GPU
+only)."""
 from __future__ import annotations
 
 import pytest
