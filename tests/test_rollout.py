@@ -9,7 +9,7 @@ import torch
 
 from segki_lightning import RolloutEngine, SamplingConfig
 
-from .tiny_models import VOCAB, build_model
+from .tiny_models import VOCAB, build_model, cut_norm_links
 
 
 def random_prompts(lengths, seed=None):
@@ -252,15 +252,6 @@ def test_norms_inside_the_projections_decode_exactly_like_the_separate_norms(tmp
     assert calls == ["rms_norm"], calls   # the final norm only: the layers call none
 
 
-def _cut_norm_links(model):
-    """Every decoder layer's link to the norm after it removed: each norm computes its own again."""
-    from segki_lightning.inject.forwards import SPEC
-
-    for layer in model.model.layers:
-        if SPEC in layer.__dict__:   # an injected layer
-            layer.__dict__[SPEC].next_norm = layer.__dict__[SPEC].next_owner = None
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_next_norms_computed_ahead_decode_exactly_like_their_own_calls(tmp_path, monkeypatch, dtype):
     """Where the MLP front does not take norm2 inside its launch (on a GPU past 8 rows), each decode step's MLP
@@ -283,7 +274,7 @@ def test_next_norms_computed_ahead_decode_exactly_like_their_own_calls(tmp_path,
         engine._step(4)
     layers = len(model.model.layers)
     assert calls == ["linear_add_rms_norm", "add_rms_norm"] * layers, calls   # out_proj + norm2, down + next norm
-    _cut_norm_links(model)
+    cut_norm_links(model)
     calls.clear()
     own = RolloutEngine(model, max_batch_size=4, max_seq_len=32, graph_capture=False).generate(prompts, cfg)
     assert "rms_norm" in calls
@@ -303,7 +294,7 @@ def test_a_hooked_next_layer_computes_its_own_norm_at_decode(tmp_path):
     engine = RolloutEngine(model, max_batch_size=2, max_seq_len=32, graph_capture=False)   # injected, verified
     model.model.layers[2].register_forward_pre_hook(shift)
     hooked = engine.generate(prompts, cfg)
-    _cut_norm_links(model)
+    cut_norm_links(model)
     own = RolloutEngine(model, max_batch_size=2, max_seq_len=32, graph_capture=False).generate(prompts, cfg)
     assert torch.equal(hooked.logprobs, own.logprobs)
 

@@ -102,3 +102,13 @@ def decode_bookkeeping(rows: int, cols: int, eos=(5, 9), seed: int | None = None
                 token=torch.full((rows,), -7), out_tokens=torch.full((rows, cols), -7),
                 out_logprobs=torch.full((rows, cols), float("nan")), out_mask=torch.full((rows, cols), -7),
                 eos=torch.tensor(eos), lengths=torch.randint(0, 100, (rows,), generator=gen))
+
+
+def cut_norm_links(model: torch.nn.Module) -> None:
+    """Every injected decoder layer's link to the norm after it removed (``LayerSpec.next_norm``): each norm
+    computes its own call again, the reference the decode with norms computed ahead is compared with."""
+    from segki_lightning.inject.forwards import SPEC
+
+    for layer in model.model.layers:
+        if SPEC in layer.__dict__:
+            layer.__dict__[SPEC].next_norm = layer.__dict__[SPEC].next_owner = None

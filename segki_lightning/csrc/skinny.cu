@@ -542,6 +542,21 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
 #pragma unroll
     for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   };
+  // STAMP: the unit's wait for its slot since t0 (the first unit's: the first mark instead)
+  auto stamp_wait = [&](bool first) {
+    if constexpr (STAMP) {
+      if (first) mark<STAMP>(st, kFirst);
+      else st.unit_wait += clock64() - t0;
+    }
+  };
+  // The unit in `slot` (part p of the segment) into acc (`last`: maybe the block's last, stamped so); the slot back
+  // to the producer once the warp is done with it.
+  auto multiply = [&](int slot, int p, bool last) {
+    mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.ks, a.kp, p, acc);
+    if (last) mark<STAMP>(st, kLast);
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);
+  };
   int done = 0;  // units multiplied
   if constexpr (QUEUE) {
     int slot = 0, p = 0;
@@ -557,16 +572,12 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
         mbar_wait(&x_bar[x_next], 0);
         x_next = x_next == 0 ? 1 : -1;
       }
+      stamp_wait(done == 0);
       if constexpr (STAMP) {
-        if (done == 0) mark<STAMP>(st, kFirst);
-        else st.unit_wait += clock64() - t0;
         st.tile_ends += ended;
         ended = 0;
       }
-      mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.ks, a.kp, p, acc);
-      mark<STAMP>(st, kLast);
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);  // this warp is done with the slot
+      multiply(slot, p, true);  // the last unit is known only when the slot after it says so
       if (++slot == a.slots) slot = 0, phase ^= 1u;
       if (++p == a.parts) {  // the tile ends here
         if constexpr (STAMP) t0 = clock64();
@@ -581,14 +592,8 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     for (int u = u0; u < u1; ++u, ++done, at.next(a.slots, a.parts)) {
       if constexpr (STAMP) t0 = clock64();
       mbar_wait(&full[at.slot], at.phase);
-      if constexpr (STAMP) {
-        if (u == u0) mark<STAMP>(st, kFirst);
-        else st.unit_wait += clock64() - t0;
-      }
-      mma_unit<T, NB>(ring + at.slot * slot_elems, xs, a.m, a.ks, a.kp, at.p, acc);
-      if (u == u1 - 1) mark<STAMP>(st, kLast);
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[at.slot]);  // this warp is done with the slot
+      stamp_wait(u == u0);
+      multiply(at.slot, at.p, u == u1 - 1);
       if (at.p == a.parts - 1 || u == u1 - 1) {  // the tile ends here
         if constexpr (STAMP) t0 = clock64();
         end_tile(at.t, at.t == head_tile, at.p != a.parts - 1);

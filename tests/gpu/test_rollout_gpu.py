@@ -180,14 +180,15 @@ def test_next_norms_computed_ahead_give_the_decode_of_their_own_calls_bit_for_bi
     own call exactly."""
     from segki_lightning.inject.forwards import SPEC
 
+    from ..tiny_models import cut_norm_links
+
     model = cuda_model(tmp_path, seed=6)
     ps = prompts([4 + i % 9 for i in range(rows)], seed=8)
     cfg = SamplingConfig(max_new_tokens=12, temperature=1.0, seed=4)
     ahead = RolloutEngine(model, max_batch_size=rows, max_seq_len=48, eos_token_id=[]).generate(ps, cfg)
     specs = [layer.__dict__[SPEC] for layer in model.model.layers]
     assert all(s.next_norm is not None for s in specs)
-    for s in specs:
-        s.next_norm = s.next_owner = None
+    cut_norm_links(model)
     own = RolloutEngine(model, max_batch_size=rows, max_seq_len=48, eos_token_id=[]).generate(ps, cfg)
     assert torch.equal(ahead.completion_ids, own.completion_ids)
     assert torch.equal(ahead.logprobs, own.logprobs)
