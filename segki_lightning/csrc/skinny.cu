@@ -147,7 +147,7 @@ struct UnitCursor {
   }
 };
 
-// A group's tiles dealt by a queue (9-16 rows, where the tiles are many a block: kQueueTiles), so that a block that
+// A group's tiles dealt by a queue (segments not gathered, the tiles many a block: kQueueTiles), so that a block that
 // streams faster takes more of them: blocks of equal units ran 17.5-23 us in one launch, their pace uncorrelated from
 // one launch to the next, so a fixed deal ends at the slowest block's pace (results/one_wave_sums/). Block j of the
 // group takes tile j first (its copies go out before the PDL wait with no round trip), then tiles group, group + 1,
@@ -681,7 +681,7 @@ struct Workspace {
   int* queues = nullptr;
 };
 
-// The tile queues' counters (9-16 rows): each launch takes the next kQueueStride of kQueueCounters in turn (one a
+// The tile queues' counters: each launch takes the next kQueueStride of kQueueCounters in turn (one a
 // segment), so a launch that starts under PDL before the one before it has ended never shares a counter with it.
 constexpr int kQueueStride = 64;  // segments a launch may have (parts of K at most 64, part_cols)
 constexpr int kQueueCounters = 64 * kQueueStride;
@@ -747,11 +747,13 @@ void launch_grid(const SkinnyArgs<T>& a, const SkinnyPlan& plan, int grid) {
                   s);
 }
 
-// At 9-16 rows, where a block's group has at least kQueueTiles tiles a block, they are dealt by a queue
-// (produce_queued) and x comes in two pieces where the first part's row copies are long enough (kMinPieceBytes):
-// decode 4B b=16 T=1 +3.6-3.9 %, b=12 +3.0 %, the 0.8B within 0.4 % (results/tile_queue/run2_landed/). On every
-// 16-row product, the 0.8B's 2.9-3.4 tiles a block included, the queue (one draw in flight) gave 4B b=16 +3.4-3.5 %
-// and 0.8B -4.7 %; x by every part (the 0.8B down's 112 copies of 1 KB a block) 4B +3.9-4.0 %, 0.8B -8 % (run1).
+// Where segments of K are not gathered and a block's group has at least kQueueTiles tiles a block, they are dealt
+// by a queue (produce_queued) and x comes in two pieces where the first part's row copies are long enough
+// (kMinPieceBytes): decode 4B b=16 T=1 +3.6-3.9 %, b=12 +3.0 %, the 0.8B within 0.4 %
+// (results/tile_queue/run2_landed/); at 1-8 rows (the 4B's GDN input, gate|up and q|k|v) 4B b=1 +0.6 %, b=8
+// +1.6-1.9 %, the 0.8B within 0.3 % (run3_rows_1_8/). On every 16-row product, the 0.8B's 2.9-3.4 tiles a block
+// included, the queue (one draw in flight) gave 4B b=16 +3.4-3.5 % and 0.8B -4.7 %; x by every part (the 0.8B
+// down's 112 copies of 1 KB a block) 4B +3.9-4.0 %, 0.8B -8 % (run1).
 template <typename T, int MAXM, bool GATED, int SEGS = kWhole>
 void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false, false>;
@@ -762,7 +764,7 @@ void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
   const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int grid = std::min({resident, a.tiles * a.segs, kMaxGrid});
   TORCH_CHECK(grid >= a.segs, "segki::skinny_linear: ", a.segs, " segments of K need as many resident blocks");
-  if constexpr (MAXM == kMaxRows) {
+  if constexpr (SEGS != kGathered) {
     if ((long)a.tiles * a.segs >= (long)kQueueTiles * grid) {
       TORCH_CHECK(a.segs <= kQueueStride, "segki::skinny_linear: ", a.segs, " segments of K, past the ", kQueueStride,
                   " the tile queues have room for");

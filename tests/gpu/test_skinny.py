@@ -136,16 +136,17 @@ def test_deferred_segments_give_each_row_the_bits_it_gets_alone(shape, residual)
         assert torch.equal(sixteen, y)
 
 
-@pytest.mark.parametrize("rows", [9, 16])
+@pytest.mark.parametrize("rows", [1, 8, 9, 16])
 @pytest.mark.parametrize("shape", ["4b_gdn_in", "4b_gate_up", "4b_o_proj", "4b_down", "split_segments_gated",
                                    "queue_three_parts_gated"])
 def test_tile_queues_come_back_to_zero_over_many_launches(shape, rows):
-    """At 9-16 rows, where a block's group has at least four tiles a block (these shapes: whole K in two and three
-    parts, x in two pieces, deferred segments plain and gated), the tiles are dealt by a counter that the launch's last draw sets back to
-    zero, each launch taking the next counters of a ring of 64 launches: 200 launches back to back (three turns of
-    the ring, each starting under PDL beside the one before) and a graph replayed 70 times on the same counters each
-    give the first launch's bits on NaN-poisoned outputs, where a counter left past zero would skip tiles or a shared
-    one deal a tile twice. A tile's sums do not depend on the block that takes it."""
+    """Where segments of K are not gathered and a block's group has at least four tiles a block (these shapes at 9-16
+    rows: whole K in two and three parts, x in two pieces, deferred segments plain and gated; at 1 and 8 rows the 4B
+    GDN input and gate|up), the tiles are dealt by a counter that the launch's last draw sets back to zero, each
+    launch taking the next counters of a ring of 64 launches: 200 launches back to back (three turns of the ring, each
+    starting under PDL beside the one before) and a graph replayed 70 times on the same counters each give the first
+    launch's bits on NaN-poisoned outputs, where a counter left past zero would skip tiles or a shared one deal a tile
+    twice. A tile's sums do not depend on the block that takes it."""
     n, k, gated = SHAPES[shape]
     if not dispatch.skinny_fits(rows, k, n, 2):
         pytest.skip(f"{rows} rows of K = {k} do not fit the path")
