@@ -1,5 +1,6 @@
-"""Where each block of the skinny products, the GDN recurrences and the one-launch attention steps waits inside one
-replayed decode step: the graph is captured while those kernels stamp each block's phases (``segki::timeline_stamps``,
+"""Where each block of the skinny products, the GDN recurrences and the one-launch attention steps -- and of the
+kernels between them: the norms, the deferred segments' sums and the GDN conv -- waits inside one replayed decode
+step: the graph is captured while those kernels stamp each block's phases (``segki::timeline_stamps``,
 ``csrc/timeline.cuh``), then replayed once. Per launch (in launch order) and per product shape, the mean time of
 each phase of a block:
 
@@ -23,7 +24,12 @@ state's stores issued, -> staged the head's norm sums exchanged through the clus
 output (and the conv windows) stored, -> end; it has no gap or dry time. So do the one-launch attention step's
 (``attention step``): waited -> loaded its prologue done, -> reduced its positions attended, -> staged its split
 merged over its warps, -> first the cluster's barrier passed, -> last its outputs combined and stored, -> end the
-last barrier passed; ``units`` is its positions.
+last barrier passed; ``units`` is its positions. Where the (row, head) items are as many as the SMs, the streamed
+recurrence (``streamed recurrence``): waited -> loaded its first item's state landed (= reduced = staged = first),
+-> last its last item's output stored, -> end its states' stores done; ``units`` is its items. The kernels between
+(``norm``, ``add+norm`` with the residual add, ``of N sums`` where x comes as the product's segments' fp32 sums;
+``segment sums``; ``conv``), as thread 0 of a block sees them: waited -> loaded its inputs in (the norm: squared),
+-> reduced the norm's block sum, -> last its outputs stored; the phases a kernel lacks last no time.
 
 A block places itself in the step by ``%globaltimer`` at its start and end, which ticks every 250 ns on the H200;
 its phases are on the SM clock, converted with the cycles per ns of all the step's blocks together (their clock
@@ -49,10 +55,12 @@ PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "en
 # a record: [launch << 32 | block, SM << 32 | grid, timer at start and end (ns), the SM clock at each phase, cycles
 # waiting for units, cycles in tile ends, units, the SM clock when its last unit had landed (products; else 0)]
 WORDS = 16
-TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")   # 0 product, 1 recurrence, 2 attention
-# (a recurrence's k, n, gated, parts and tiles are its Dk, Hv x Dv, conv inside, blocks per value head, value heads;
-# kind 2, the attention step's: D, query heads, gated, splits, KV heads)
-ROOM = 1 << 16       # records; a 0.8B step writes ~100 launches x <= 132 blocks
+TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")
+# kinds (csrc/timeline.cuh): 0 product, 1 recurrence (k, n, gated, parts and tiles its Dk, Hv x Dv, conv inside,
+# blocks per value head, value heads), 2 attention step (D, query heads, gated, splits, KV heads), 3 norm (k its
+# width, gated 1 with the residual add, parts the fp32 sums x comes in), 4 segment sums (parts its segments),
+# 5 conv (k its width, n its channels), 6 streamed recurrence (Dk, Hv x Dv, -, items, value heads)
+ROOM = 1 << 17       # records; a 4B step at 16 rows writes ~35k (its conv: 512 blocks a GDN layer)
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
 SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
 LANDED = ["landed_us", "landed_last_us"]  # products: the last unit landed after the wait; last multiplied after that
@@ -83,6 +91,16 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
 
 
 def label(shape: dict) -> str:
+    kind, rows = shape["kind"], shape["rows"]
+    if kind == 6:
+        return f"streamed recurrence {rows}x{shape['tiles']} heads"
+    if kind == 5:
+        return f"conv {rows}x{shape['n']} channels"
+    if kind == 4:
+        return f"segment sums {rows}x{shape['n']}{' gated' if shape['gated'] else ''} of {shape['parts']}"
+    if kind == 3:
+        of = f" of {shape['parts']} sums" if shape["parts"] else ""
+        return f"{'add+' if shape['gated'] else ''}norm {rows}x{shape['k']}{of}"
     if shape["kind"] == 2:
         return f"attention step {shape['rows']}x{shape['tiles']} KV heads x {shape['parts']} splits"
     if shape["kind"] == 1:
@@ -99,7 +117,7 @@ def known(blocks: list[dict], table: list[dict]) -> tuple[list[dict], float]:
 
 def mark_sm_gaps(blocks: list[dict], shapes: dict[int, dict]) -> None:
     """Each product block's gap (its start after the previous product block on its SM ended) and dry time (that end
-    to its first unit); None for the first on an SM and for recurrence blocks."""
+    to its first unit); None for the first on an SM and for the other kernels' blocks."""
     prev_on_sm: dict[int, dict] = {}
     for b in sorted(blocks, key=lambda b: b["start"]):
         if shapes[b["launch"]]["kind"] != 0:
@@ -214,9 +232,9 @@ def main() -> None:
     args = step_args(__doc__, ["0.8b", "4b"])
     per_model = [stamp_step(name, args.batch) for name in args.models]
     launches, per_shape, per_block = ([r for rows in parts for r in rows] for parts in zip(*per_model))
-    header = (f"# The skinny products', GDN recurrences' and attention steps' blocks in one replayed decode step "
-              f"(batch {args.batch}; us)\n\nCommand: `python benchmarks/step_timeline.py --out DIR --models "
-              f"{' '.join(args.models)} --batch {args.batch}`")
+    header = (f"# The decode step's stamped kernels' blocks (skinny products, GDN conv and recurrences, attention "
+              f"steps, norms, segment sums) in one replayed step (batch {args.batch}; us)\n\nCommand: "
+              f"`python benchmarks/step_timeline.py --out DIR --models {' '.join(args.models)} --batch {args.batch}`")
     write_results(args.out, "step_timeline", per_shape, ["model", "shape", "launches", "blocks", *METRICS], header)
     write_results(args.out, "step_timeline_launches", launches,
                   ["model", "launch", "shape", "blocks", "at_us", *METRICS], header)

@@ -203,5 +203,28 @@ def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     assert rows[3]["gap"] == 1.0 and rows[3]["dry"] == 4.0
     with pytest.raises(ValueError, match="no time"):
         tl.blocks_of([rec(7, 0, 3, [0] * 8)])
+
+
+def test_step_timeline_names_every_kind_the_kernels_stamp():
+    """Every kind of csrc/timeline.cuh's StampKind has its own name in the tables (none falls to the product's
+    ``rows x K -> N``), read with the numbers its launch table row holds."""
+    import re
+
+    tl = load_script("step_timeline")
+    enum = re.search(r"enum StampKind[^{]*\{([^}]*)\}", (ROOT / "segki_lightning/csrc/timeline.cuh").read_text())
+    kinds = {name: int(v) for name, v in re.findall(r"(k\w+) = (\d+)", enum.group(1))}
+    assert sorted(kinds.values()) == list(range(len(kinds))) and len(kinds) == 7
+
+    def named(kind, **shape):
+        return tl.label(dict(dict(launch=0, rows=16, k=0, n=0, gated=0, grid=1, parts=0, tiles=0), kind=kind, **shape))
+
+    assert named(kinds["kSkinnyProduct"], k=2560, n=12352) == "16x2560->12352"
+    assert named(kinds["kNorm"], k=2560, gated=1, parts=4) == "add+norm 16x2560 of 4 sums"
+    assert named(kinds["kNorm"], k=2560) == "norm 16x2560"
+    assert named(kinds["kSegmentSums"], n=2560, parts=9) == "segment sums 16x2560 of 9"
+    assert named(kinds["kGdnConv"], k=4, n=8192) == "conv 16x8192 channels"
+    assert named(kinds["kGdnPipe"], k=128, n=4096, parts=512, tiles=32) == "streamed recurrence 16x32 heads"
+    others = {named(v, k=128, n=2048, parts=4, tiles=16) for v in kinds.values() if v}
+    assert len(others) == len(kinds) - 1 and not any("->" in name for name in others)
     step = dict(launch=10, kind=2, rows=1, k=256, n=8, gated=1, grid=32, parts=16, tiles=2)   # the attention step
     assert tl.label(step) == "attention step 1x2 KV heads x 16 splits"

@@ -54,16 +54,25 @@ struct RowStrides {
   int64_t mixed, z, b, a;
 };
 
-template <typename T>
+// The step's conv alone, where the recurrence does not run it inside (common.cuh: conv_token). STAMP: the
+// timeline's instantiation (thread 0 of each block writes its record into `stamps`).
+template <typename T, bool STAMP>
 __global__ void gdn_conv_kernel(const T* __restrict__ qkv, int64_t qkv_ld, T* __restrict__ conv_state,
                                 const T* __restrict__ w, const T* __restrict__ bias, T* __restrict__ mixed,
-                                int c_total, int width) {
+                                int c_total, int width, unsigned long long* stamps, int launch_id) {
+  Stamps st{};
+  mark_start<STAMP>(st);
   pdl_start();  // everything below reads what earlier kernels wrote
+  mark<STAMP>(st, kWaited);
   const int c = blockIdx.x * blockDim.x + threadIdx.x, b = blockIdx.y;
-  if (c >= c_total) return;
+  if (c >= c_total) return;  // never thread 0: the grid's blocks start within c_total
   const size_t o = (size_t)b * c_total + c;
   const float x = to_float<T>(qkv[(size_t)b * qkv_ld + c]);
   mixed[o] = from_float<T>(conv_token<T>(conv_state + o * width, w, bias, c, x, width));
+  mark_until<STAMP>(st, kLoaded, kLast);
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) write_stamps(stamps, launch_id, st, 1);
+  }
 }
 
 // What a (row b, value head h) item reads besides its state, for the thread's state column j: its value, z and
@@ -389,12 +398,15 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
 // Thread (tile, ty, jl) holds what thread (ty, jl) of the per-tile kernel's block `tile` holds, and the gated
 // RMSNorm sums the tiles' squares in tile order through shared memory instead of a cluster: the same arithmetic in
 // the same order (the same bits). Measured (`results/gdn_stream/`): decode at 32 rows 1.775 -> 1.657 ms (0.8B),
-// 4.71 -> 4.446 ms (4B).
-template <typename T>
+// 4.71 -> 4.446 ms (4B). STAMP: the timeline's instantiation (thread 0 of each block writes its record).
+template <typename T, bool STAMP>
 __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
-    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items) {
+    bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items,
+    unsigned long long* stamps, int launch_id) {
+  Stamps st{};
+  mark_start<STAMP>(st);
   constexpr int DK = 128, DV = 128, THREADS = 512, TILES = DV / 32, R = DK / 4, SLOT = DK * DV, BYTES = SLOT * 4;
   extern __shared__ __align__(16) float slots[];   // [2][DK * DV]
   __shared__ float sq[DK], sk[DK], red[TILES][2][4][32], sq_tile[TILES];
@@ -412,6 +424,7 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
   }
   pdl_wait();  // everything below reads what earlier kernels wrote
   __syncthreads();
+  mark<STAMP>(st, kWaited);
   auto request = [&](int item, int slot) {  // thread 0: the item's state into the slot
     const float* src = state + (size_t)item * SLOT;
     mbar_expect(&bar[slot], BYTES);
@@ -429,6 +442,7 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     const int b = item / hv, h = item % hv, slot = k & 1, next = item + gridDim.x;
     float* cur = slots + slot * SLOT + (ty * R) * DV + j;
     mbar_wait(&bar[slot], (k >> 1) & 1);
+    if (k == 0) mark_until<STAMP>(st, kLoaded, kFirst);
     float s[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) s[i] = cur[i * DV];
@@ -471,7 +485,11 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     in = nxt;
     __syncthreads();  // red and sq_tile are the next item's; sq, sk and norms hold its q and k
   }
+  mark<STAMP>(st, kLast);
   if (threadIdx.x == 0) bulk_wait<true>();   // the last states written before the block's shared memory goes
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) write_stamps(stamps, launch_id, st, k);
+  }
 }
 
 struct GdnDims {
@@ -545,16 +563,20 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   auto stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, items = d.bsz * d.hv;
   if (d.dk == 128 && d.dv == 128 && items >= sms) {
+    unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
+    const int id = stamps ? stamp_launch(kGdnPipe, {d.bsz, d.dk, d.hv * d.dv, 0, sms, items, d.hv}) : 0;
     SEGKI_DISPATCH_HALF(dt, op, [&] {
       constexpr int kBytes = 2 * 128 * 128 * 4;   // two state slots
-      allow_dynamic_smem<gdn_recurrent_pipe_kernel<T>>(kBytes);
-      launch_pdl_smem(gdn_recurrent_pipe_kernel<T>, dim3(sms), dim3(512), kBytes, stream, dim3(1),
+      const auto kernel = stamps ? gdn_recurrent_pipe_kernel<T, true> : gdn_recurrent_pipe_kernel<T, false>;
+      if (stamps) allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, true>>(kBytes);
+      else allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, false>>(kBytes);
+      launch_pdl_smem(kernel, dim3(sms), dim3(512), kBytes, stream, dim3(1),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
-          (float)norm_eps, items);
+          (float)norm_eps, items, stamps, id);
     });
     return out;
   }
@@ -614,13 +636,16 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   auto mixed = at::empty(qkv.sizes(), qkv.options());   // contiguous, whatever qkv's row stride
   if (d.bsz > 0) {
     c10::cuda::CUDAGuard guard(qkv.device());
+    const dim3 grid((d.c_total + 255) / 256, d.bsz);
+    unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
+    const int id = stamps ? stamp_launch(kGdnConv, {d.bsz, width, d.c_total, 0, grid.x * grid.y, 0, 0}) : 0;
     SEGKI_DISPATCH_HALF(dt, op, [&] {
-      launch_pdl(gdn_conv_kernel<T>, dim3((d.c_total + 255) / 256, d.bsz), dim3(256),
+      launch_pdl(stamps ? gdn_conv_kernel<T, true> : gdn_conv_kernel<T, false>, grid, dim3(256),
           at::cuda::getCurrentCUDAStream(), dim3(1),
           reinterpret_cast<const T*>(qkv.data_ptr()), d.ld.mixed, reinterpret_cast<T*>(conv_state.data_ptr()),
           reinterpret_cast<const T*>(conv_weight.data_ptr()),
           conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
-          reinterpret_cast<T*>(mixed.data_ptr()), d.c_total, width);
+          reinterpret_cast<T*>(mixed.data_ptr()), d.c_total, width, stamps, id);
     });
   }
   return launch_recurrence(op, d, mixed, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, norm_eps);

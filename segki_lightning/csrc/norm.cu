@@ -5,6 +5,7 @@
 // product, csrc/skinny.cu), added in part order and rounded as the product's own epilogue would: the product's sum
 // kernel and this one's launch become one.
 #include "common.cuh"
+#include "timeline.cuh"
 
 namespace segki {
 namespace {
@@ -14,14 +15,18 @@ constexpr int kThreads = 256;
 constexpr int kStride = kThreads * 8;  // columns between a thread's stretches of 8
 constexpr int kHeld = 2;                // stretches a thread keeps in registers: rows up to 4096 wide (the 4B's 2560)
 
-// SUMS: x comes as `parts` fp32 sums [parts][rows][h] (with the residual add only).
-template <typename T, bool ADD, bool SUMS>
+// SUMS: x comes as `parts` fp32 sums [parts][rows][h] (with the residual add only). STAMP: the timeline's
+// instantiation (timeline.cuh; thread 0 of each block writes its record into `stamps`).
+template <typename T, bool ADD, bool SUMS, bool STAMP>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ sums,
                                                             int parts, const T* __restrict__ res,
                                                             const T* __restrict__ w, T* __restrict__ out,
                                                             T* __restrict__ new_res, int h, float eps,
-                                                            bool unit_offset) {
+                                                            bool unit_offset, unsigned long long* stamps,
+                                                            int launch_id) {
   static_assert(ADD || !SUMS, "x in sums is taken with the residual add");
+  Stamps st{};
+  mark_start<STAMP>(st);
   __shared__ float scratch[32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * h;
@@ -43,6 +48,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
   for (int s = 0; s < kHeld; ++s)
     wq[s] = i0 + s * kStride < h ? ld_cached(w + i0 + s * kStride) : make_uint4(0, 0, 0, 0);
   pdl_start();  // everything below reads what earlier kernels wrote
+  mark<STAMP>(st, kWaited);
 #pragma unroll
   for (int s = 0; s < kHeld; ++s) {
     const int i = i0 + s * kStride;
@@ -70,7 +76,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
     float v[8];
     add_in(v, x_at(i), ADD ? ld_cached(res + row * h + i) : make_uint4(0, 0, 0, 0), i);
   }
+  mark<STAMP>(st, kLoaded);
   const float inv = rms_inverse(block_sum(ss, scratch), h, eps);
+  mark<STAMP>(st, kReduced);
   auto scale_out = [&](float (&v)[8], const uint4& wv, int i) {
     float wf[8];
     unpack8<T>(wv, wf);
@@ -86,6 +94,10 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(const T* __restrict_
     float v[8];
     unpack8<T>(ADD ? *reinterpret_cast<const uint4*>(src + i) : ld_cached(src + i), v);
     scale_out(v, ld_cached(w + i), i);
+  }
+  mark_until<STAMP>(st, kStaged, kLast);
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) write_stamps(stamps, launch_id, st, 1);
   }
 }
 
@@ -106,13 +118,17 @@ void launch(const char* op, const at::Tensor& x, const at::Tensor* res, const at
   const int rows = (int)(out.numel() / h);
   if (rows == 0) return;
   c10::cuda::CUDAGuard guard(x.device());
+  const int parts = SUMS ? (int)x.size(0) : 0;
+  unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
+  const int id = stamps ? stamp_launch(kNorm, {rows, h, 0, ADD ? 1 : 0, rows, parts, 0}) : 0;
   SEGKI_DISPATCH_HALF(out.scalar_type(), op, [&] {
-    launch_pdl(rms_norm_kernel<T, ADD, SUMS>, dim3(rows), dim3(kThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
+    launch_pdl(stamps ? rms_norm_kernel<T, ADD, SUMS, true> : rms_norm_kernel<T, ADD, SUMS, false>, dim3(rows),
+        dim3(kThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
         SUMS ? nullptr : reinterpret_cast<const T*>(x.data_ptr()),
-        SUMS ? reinterpret_cast<const float*>(x.data_ptr()) : nullptr, SUMS ? (int)x.size(0) : 0,
+        SUMS ? reinterpret_cast<const float*>(x.data_ptr()) : nullptr, parts,
         res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr,
         reinterpret_cast<const T*>(w.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
-        new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset);
+        new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset, stamps, id);
   });
 }
 

@@ -796,12 +796,17 @@ constexpr int kSumThreads = 256;
 
 // Deferred segments: out [m, n] from each segment's sums [segs][m][weight rows], added in segment order from zero as
 // gather_segments adds them, then store_output's epilogue (rounded, plus the residual; gated, silu(round(gate)) *
-// round(up)). Four outputs a thread (n is a multiple of 8).
-template <typename T, bool GATED>
+// round(up)). Four outputs a thread (n is a multiple of 8). STAMP: the timeline's instantiation (thread 0 of each
+// block, whose outputs every block has, writes its record).
+template <typename T, bool GATED, bool STAMP>
 __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* __restrict__ sums,
                                                                    const T* __restrict__ residual,
-                                                                   T* __restrict__ out, int segs, int m, int n) {
+                                                                   T* __restrict__ out, int segs, int m, int n,
+                                                                   unsigned long long* stamps, int launch_id) {
+  Stamps st{};
+  mark_start<STAMP>(st);
   pdl_start();
+  mark<STAMP>(st, kWaited);
   const int o = (blockIdx.x * kSumThreads + threadIdx.x) * 4;  // the first of its four outputs
   if (o >= m * n) return;
   const int xr = o / n, c = o - xr * n, wrows = GATED ? 2 * n : n;
@@ -813,9 +818,11 @@ __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* 
   if constexpr (GATED) {
     float up[4];
     added(n + c, up);
+    mark_until<STAMP>(st, kLoaded, kReduced);
 #pragma unroll
     for (int j = 0; j < 4; ++j) out[o + j] = from_float<T>(silu(round_to<T>(v[j])) * round_to<T>(up[j]));
   } else {
+    mark_until<STAMP>(st, kLoaded, kReduced);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float y = round_to<T>(v[j]);
@@ -823,14 +830,21 @@ __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* 
       out[o + j] = from_float<T>(y);
     }
   }
+  mark_until<STAMP>(st, kStaged, kLast);
+  if constexpr (STAMP) {
+    if (threadIdx.x == 0) write_stamps(stamps, launch_id, st, 1);
+  }
 }
 
 template <typename T>
 void launch_sum(const SkinnyArgs<T>& a, bool gated) {
   const int blocks = (a.m * a.n / 4 + kSumThreads - 1) / kSumThreads;
-  const auto kernel = gated ? sum_segments_kernel<T, true> : sum_segments_kernel<T, false>;
+  unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
+  const int id = stamps ? stamp_launch(kSegmentSums, {a.m, 0, a.n, gated ? 1 : 0, blocks, a.segs, 0}) : 0;
+  const auto kernel = gated ? (stamps ? sum_segments_kernel<T, true, true> : sum_segments_kernel<T, true, false>)
+                            : (stamps ? sum_segments_kernel<T, false, true> : sum_segments_kernel<T, false, false>);
   launch_pdl(kernel, dim3(blocks), dim3(kSumThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
-             (const float*)a.seg_out, a.residual, a.out, a.segs, a.m, a.n);
+             (const float*)a.seg_out, a.residual, a.out, a.segs, a.m, a.n, stamps, id);
 }
 
 // The product's launches: out (skinny_linear), or with sums_only each deferred segment's sums, [segs, ..., N] fp32

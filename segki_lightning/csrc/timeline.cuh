@@ -1,12 +1,13 @@
 // The decode step's timeline (benchmarks/step_timeline.py): while a stamp buffer is set (segki::timeline_stamps),
-// the skinny product (skinny.cu), the GDN recurrence at few rows (gdn.cu) and the one-launch attention step
-// (attention.cu) launch their stamping instantiations,
+// the skinny product and its segments' sum kernel (skinny.cu), the GDN conv and recurrence (gdn.cu), the one-launch
+// attention step (attention.cu) and the norm kernels (norm.cu) launch their stamping instantiations,
 // and one thread of each block writes one record of kStampWords words:
 //   [0] launch id << 32 | block, [1] SM << 32 | grid, [2] [3] %globaltimer at the block's start and end (ns; it
 //   ticks every 250 ns on the H200, too coarse for a block's phases), [4 .. 4 + kPhases) the SM clock (%clock64)
 //   at each Phase, [12] cycles waiting for a unit to land after the first, [13] cycles in the tile ends before the
-//   last unit's, [14] the block's units (the attention step: its split's positions), [15] the SM clock when the
-//   block's last unit had landed, as its producer warp saw it (the skinny product; 0 elsewhere).
+//   last unit's, [14] the block's units (the attention step: its split's positions; the streamed recurrence: its
+//   items; the kernels between: 1), [15] the SM clock when the block's last unit had landed, as its producer warp
+//   saw it (the skinny product; 0 elsewhere).
 // Buffer: [0] records written, [1] room for records, records from word kStampWords on. Other launches run the
 // instantiations without stamps, whose code is the same as without this file.
 #pragma once
@@ -25,7 +26,12 @@ namespace segki {
 // exchanged through the cluster (staged and first alike), its output and windows stored, its end. The attention
 // step: its start, the wait's return, the prologue done (query heads and the new key in shared memory), its
 // positions attended (every warp), its split merged over its warps, the cluster's splits all merged (the cluster
-// barrier passed), its share of the outputs combined and stored, its end (the last cluster barrier passed).
+// barrier passed), its share of the outputs combined and stored, its end (the last cluster barrier passed). The
+// kernels between them mark what they have (thread 0's view) and the phases they lack where the next one begins:
+// the norm: x (and the residual) in and squared (loaded), the block's sum (reduced), its outputs stored (staged to
+// last); the segments' sums: added (loaded, reduced), stored (staged to last); the conv: stored (loaded to last);
+// the streamed recurrence (gdn_recurrent_pipe_kernel): its first item's state landed (loaded to first), its last
+// item's output stored (last), its states' stores done (end).
 enum Phase { kStart, kWaited, kLoaded, kReduced, kStaged, kFirst, kLast, kEnd, kPhases };
 constexpr int kStampWords = 16;
 
@@ -49,6 +55,15 @@ __device__ __forceinline__ unsigned sm_id() {
 template <bool STAMP>
 __device__ __forceinline__ void mark(Stamps& st, Phase p) {
   if constexpr (STAMP) st.clock[p] = clock64();
+}
+
+// Phases from..to at once: those a kernel does not have last no time.
+template <bool STAMP>
+__device__ __forceinline__ void mark_until(Stamps& st, Phase from, Phase to) {
+  if constexpr (STAMP) {
+    const unsigned long long c = clock64();
+    for (int p = from; p <= to; ++p) st.clock[p] = c;
+  }
 }
 
 // The block's start: its clock, then the timer (the end takes them in the same order: the spans match).
@@ -84,8 +99,14 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
 // timeline_stamps call, kStampTableCols numbers each: launch id, kind, then what the kind's launch was --
 // the skinny product: rows of x, K, output columns, gated, grid, parts of K, tiles; the recurrence: rows, Dk,
 // value heads x Dv, 1 with the conv inside (else 0), grid, blocks per value head, value heads; the attention
-// step: rows, D, query heads, 1 when gated (else 0), grid, splits (blocks per cluster), KV heads.
-enum StampKind : int64_t { kSkinnyProduct = 0, kGdnRecurrence = 1, kAttentionStep = 2 };
+// step: rows, D, query heads, 1 when gated (else 0), grid, splits (blocks per cluster), KV heads; the norm: rows,
+// width, 0, 1 with the residual add, grid, parts of fp32 sums x comes in (0: x itself), 0; the segments' sums: rows,
+// 0, output columns, gated, grid, segments, 0; the conv: rows, conv width, channels, 0, grid, 0, 0; the streamed
+// recurrence: rows, Dk, value heads x Dv, 0, grid, (row, head) items, value heads.
+enum StampKind : int64_t {
+  kSkinnyProduct = 0, kGdnRecurrence = 1, kAttentionStep = 2, kNorm = 3, kSegmentSums = 4, kGdnConv = 5,
+  kGdnPipe = 6
+};
 constexpr int kStampTableCols = 9;
 
 struct StampState {

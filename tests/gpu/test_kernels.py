@@ -547,7 +547,8 @@ def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path
 def test_the_gdn_step_runs_its_conv_inside_where_a_cluster_holds_a_key_heads_blocks(shape, monkeypatch):
     """gdn_decode_step at one row is one stamped launch, the recurrence's cluster kernel, with the conv inside
     (the launch table's fourth number) where a key head's value heads fit one cluster of 8 blocks (the 4B, 0.8B
-    and Dk = 256 heads) and after the conv kernel where they do not (``odd``: 3 value heads of 3 blocks)."""
+    and Dk = 256 heads), and the conv kernel (kind 5, with its width and channels) then the recurrence where they do
+    not (``odd``: 3 value heads of 3 blocks)."""
     monkeypatch.delenv("SEGKI_GDN_CONV", raising=False)
     hk, hv, dk, dv = GDN_SHAPES[shape]
     g = gdn_inputs(1, hk, hv, dk, dv, torch.bfloat16)
@@ -556,8 +557,12 @@ def test_the_gdn_step_runs_its_conv_inside_where_a_cluster_holds_a_key_heads_blo
     torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
     table = torch.ops.segki.timeline_stamps(buf, False)
     torch.cuda.synchronize()
-    assert table.shape == (1, 9) and table[0, 1].item() == 1       # one launch stamped: the recurrence
-    assert table[0, 5].item() == (0 if shape == "odd" else 1)   # launch, kind, rows, Dk, Hv x Dv, conv
+    if shape == "odd":
+        assert table.shape == (2, 9) and table[:, 1].tolist() == [5, 1]      # the conv kernel, the recurrence
+        assert table[0, 2:5].tolist() == [1, 4, 2 * hk * dk + hv * dv]      # rows, conv width, channels
+    else:
+        assert table.shape == (1, 9) and table[0, 1].item() == 1             # one launch stamped: the recurrence
+    assert table[-1, 5].item() == (0 if shape == "odd" else 1)   # launch, kind, rows, Dk, Hv x Dv, conv
 
 
 STAMP_WORDS, STAMP_PHASES = 16, 8  # csrc/timeline.cuh: words per record, phases per block
@@ -609,6 +614,69 @@ def test_stamping_recurrence_records_every_block_and_changes_no_bit(batch):
     rec = stamped_records(buf, launch, grid)
     assert (rec[:, 6 + STAMP_PHASES] == 1).all()
     step(g["recurrent_state"].clone())
+    torch.cuda.synchronize()
+    assert int(buf[0]) == grid
+
+
+def test_stamping_the_streamed_recurrence_records_every_block_and_changes_no_bit():
+    """Where the (row, head) items are as many as the SMs (16 rows of the 0.8B's 16 value heads), the recurrence's
+    streamed kernel writes one record per block while the buffer is set (kind 6: rows, Dk, Hv x Dv, grid, items,
+    heads; the SM clock in phase order), its blocks' units adding up to the items, and gives the plain launch's
+    output and state bits."""
+    hk, hv, dk, dv = GDN_SHAPES["08b"]
+    batch = 16
+    g = gdn_inputs(batch, hk, hv, dk, dv, torch.bfloat16)
+    rec_plain, rec_stamped = g["recurrent_state"].clone(), g["recurrent_state"].clone()
+
+    def step(rec):
+        return torch.ops.segki.gdn_recurrent_step(g["qkv"], g["z"], g["b"], g["a"], rec, g["A_log"], g["dt_bias"],
+                                                  g["norm_weight"], 1e-6, hk, dk, dv)
+
+    plain = step(rec_plain)
+    buf = stamp_buffer()
+    torch.ops.segki.timeline_stamps(buf, True)
+    poison((batch, hv * dv), dtype=torch.bfloat16)
+    stamped = step(rec_stamped)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert torch.equal(stamped, plain) and torch.equal(rec_stamped, rec_plain)
+    assert table.shape == (1, 9)
+    launch, kind, rows, k, n, _, grid, items, heads = table[0].tolist()
+    assert (kind, rows, k, n, items, heads) == (6, batch, dk, hv * dv, batch * hv, hv)
+    assert grid == torch.cuda.get_device_properties(0).multi_processor_count
+    rec = stamped_records(buf, launch, grid)
+    assert rec[:, 6 + STAMP_PHASES].sum().item() == batch * hv and (rec[:, 6 + STAMP_PHASES] > 0).all()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm", "add_rms_norm_sums"])
+def test_stamping_the_norms_records_every_block_and_changes_no_bit(op):
+    """While the buffer is set, each norm kernel writes one record per row's block (kind 3: rows, width, the
+    residual add, grid, parts of sums; the SM clock in phase order) and gives the plain launch's bits; once unset,
+    nothing more is written."""
+    rows, h, parts = 5, 2560, 3
+    x, res = randn(rows, h, dtype=torch.bfloat16), randn(rows, h, dtype=torch.bfloat16)
+    nw, sums = randn(h, dtype=torch.bfloat16, scale=0.2), randn(parts, rows, h, dtype=torch.float32)
+
+    def call():
+        if op == "rms_norm":
+            return (torch.ops.segki.rms_norm(x, nw, 1e-6, True),)
+        args = (sums,) if op == "add_rms_norm_sums" else (x,)
+        return tuple(getattr(torch.ops.segki, op)(*args, res, nw, 1e-6, True))
+
+    plain = call()
+    buf = stamp_buffer()
+    torch.ops.segki.timeline_stamps(buf, True)
+    poison((rows, h), (rows, h), dtype=torch.bfloat16)
+    stamped = call()
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(stamped, plain, strict=True))
+    assert table.shape == (1, 9)
+    launch, kind, r, width, _, add, grid, sum_parts, _ = table[0].tolist()
+    assert (kind, r, width, add, grid) == (3, rows, h, int(op != "rms_norm"), rows)
+    assert sum_parts == (parts if op == "add_rms_norm_sums" else 0)
+    stamped_records(buf, launch, grid)
+    call()
     torch.cuda.synchronize()
     assert int(buf[0]) == grid
 

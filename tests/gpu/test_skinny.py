@@ -399,3 +399,32 @@ def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit(r
     torch.cuda.synchronize()
     assert int(buf[0]) == count
     assert torch.ops.segki.timeline_stamps(buf, False).shape == (0, 9)
+
+
+def test_stamping_deferred_segments_records_the_product_and_its_sum_kernel():
+    """At 16 rows in deferred segments of K (the 4B down: nine), the stamped launches are the product (kind 0) and
+    its segments' sum kernel (kind 4: rows, output columns, gated, grid, segments), every block of both writing one
+    record with the SM clock in phase order; the output is the plain launches' bits."""
+    n, k, _ = SHAPES["4b_down"]
+    rows, words, phases = 16, 16, 8
+    x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    plain = torch.ops.segki.skinny_linear(x, w)
+    buf = torch.zeros(words * 1025, dtype=torch.int64, device="cuda")
+    buf[1] = 1024
+    torch.ops.segki.timeline_stamps(buf, True)
+    poison((rows, n), dtype=torch.bfloat16)
+    stamped = torch.ops.segki.skinny_linear(x, w)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert torch.equal(stamped, plain)
+    assert table.shape == (2, 9) and table[:, 1].tolist() == [0, 4]
+    launch, _, m, _, nn, gated, grid, segs, _ = table[1].tolist()
+    assert (m, nn, gated, segs) == (rows, n, 0, dispatch.skinny_plan(rows, k, n, 2)[1])
+    assert grid == (rows * n // 4 + 255) // 256
+    count = int(buf[0])
+    assert count == table[0, 6].item() + grid
+    rec = buf[words:words * (count + 1)].view(count, words).cpu()
+    mine = rec[(rec[:, 0] >> 32) == launch]
+    assert sorted((mine[:, 0] & 0xFFFFFFFF).tolist()) == list(range(grid))
+    clock = mine[:, 4:4 + phases]
+    assert (clock[:, 1:] >= clock[:, :-1]).all() and (mine[:, 3] >= mine[:, 2]).all()
