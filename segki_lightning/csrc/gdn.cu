@@ -563,12 +563,11 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   auto stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, items = d.bsz * d.hv;
   if (d.dk == 128 && d.dv == 128 && items >= sms) {
-    unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
-    const int id = stamps ? stamp_launch(kGdnPipe, {d.bsz, d.dk, d.hv * d.dv, 0, sms, items, d.hv}) : 0;
+    const StampTarget stamp = stamp_target(kGdnPipe, {d.bsz, d.dk, d.hv * d.dv, 0, sms, items, d.hv});
     SEGKI_DISPATCH_HALF(dt, op, [&] {
       constexpr int kBytes = 2 * 128 * 128 * 4;   // two state slots
-      const auto kernel = stamps ? gdn_recurrent_pipe_kernel<T, true> : gdn_recurrent_pipe_kernel<T, false>;
-      if (stamps) allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, true>>(kBytes);
+      const auto kernel = stamp.buf ? gdn_recurrent_pipe_kernel<T, true> : gdn_recurrent_pipe_kernel<T, false>;
+      if (stamp.buf) allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, true>>(kBytes);
       else allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, false>>(kBytes);
       launch_pdl_smem(kernel, dim3(sms), dim3(512), kBytes, stream, dim3(1),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
@@ -576,7 +575,7 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
           recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
           static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
-          (float)norm_eps, items, stamps, id);
+          (float)norm_eps, items, stamp.buf, stamp.id);
     });
     return out;
   }
@@ -593,20 +592,18 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
       // clusters of Dv/32 blocks, one per (value head, row), or with the conv of all a key head's value heads;
       // the timeline's instantiation while it stamps
       const dim3 grid(d.hv * (d.dv / 32), d.bsz), cluster((conv ? d.hv / d.hk : 1) * (d.dv / 32));
-      unsigned long long* stamps = stamp_state().buf;
-      const int id = stamps ? stamp_launch(kGdnRecurrence, {d.bsz, d.dk, d.hv * d.dv, conv ? 1 : 0,
-                                                            grid.x * grid.y, d.dv / 32, d.hv})
-                            : 0;
-      auto kernel = conv ? (stamps ? gdn_recurrent_kernel<T, DK, true, true>
-                                   : gdn_recurrent_kernel<T, DK, true, false>)
-                         : (stamps ? gdn_recurrent_kernel<T, DK, false, true>
-                                   : gdn_recurrent_kernel<T, DK, false, false>);
+      const StampTarget stamp = stamp_target(kGdnRecurrence, {d.bsz, d.dk, d.hv * d.dv, conv ? 1 : 0,
+                                                              grid.x * grid.y, d.dv / 32, d.hv});
+      auto kernel = conv ? (stamp.buf ? gdn_recurrent_kernel<T, DK, true, true>
+                                      : gdn_recurrent_kernel<T, DK, true, false>)
+                         : (stamp.buf ? gdn_recurrent_kernel<T, DK, false, true>
+                                      : gdn_recurrent_kernel<T, DK, false, false>);
       launch_pdl(kernel, grid, dim3(128), stream, cluster, reinterpret_cast<const T*>(mixed.data_ptr()),
           reinterpret_cast<const T*>(z.data_ptr()), reinterpret_cast<const T*>(b.data_ptr()),
           reinterpret_cast<const T*>(a.data_ptr()), ld, recurrent_state.data_ptr<float>(),
           static_cast<const void*>(a_log_p.data_ptr()), static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
           reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv, d.dv,
-          (float)norm_eps, ca, stamps, id);
+          (float)norm_eps, ca, stamp.buf, stamp.id);
     };
     with_head_dim(d.dk, launch);
   });
@@ -637,15 +634,14 @@ at::Tensor gdn_decode_step(const at::Tensor& qkv, const at::Tensor& z, const at:
   if (d.bsz > 0) {
     c10::cuda::CUDAGuard guard(qkv.device());
     const dim3 grid((d.c_total + 255) / 256, d.bsz);
-    unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
-    const int id = stamps ? stamp_launch(kGdnConv, {d.bsz, width, d.c_total, 0, grid.x * grid.y, 0, 0}) : 0;
+    const StampTarget stamp = stamp_target(kGdnConv, {d.bsz, width, d.c_total, 0, grid.x * grid.y, 0, 0});
     SEGKI_DISPATCH_HALF(dt, op, [&] {
-      launch_pdl(stamps ? gdn_conv_kernel<T, true> : gdn_conv_kernel<T, false>, grid, dim3(256),
+      launch_pdl(stamp.buf ? gdn_conv_kernel<T, true> : gdn_conv_kernel<T, false>, grid, dim3(256),
           at::cuda::getCurrentCUDAStream(), dim3(1),
           reinterpret_cast<const T*>(qkv.data_ptr()), d.ld.mixed, reinterpret_cast<T*>(conv_state.data_ptr()),
           reinterpret_cast<const T*>(conv_weight.data_ptr()),
           conv_bias ? reinterpret_cast<const T*>(conv_bias->data_ptr()) : nullptr,
-          reinterpret_cast<T*>(mixed.data_ptr()), d.c_total, width, stamps, id);
+          reinterpret_cast<T*>(mixed.data_ptr()), d.c_total, width, stamp.buf, stamp.id);
     });
   }
   return launch_recurrence(op, d, mixed, z, b, a, recurrent_state, a_log, dt_bias, norm_weight, norm_eps);

@@ -119,16 +119,16 @@ void launch(const char* op, const at::Tensor& x, const at::Tensor* res, const at
   if (rows == 0) return;
   c10::cuda::CUDAGuard guard(x.device());
   const int parts = SUMS ? (int)x.size(0) : 0;
-  unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
-  const int id = stamps ? stamp_launch(kNorm, {rows, h, 0, ADD ? 1 : 0, rows, parts, 0}) : 0;
+  const StampTarget stamp = stamp_target(kNorm, {rows, h, 0, ADD ? 1 : 0, rows, parts, 0});
   SEGKI_DISPATCH_HALF(out.scalar_type(), op, [&] {
-    launch_pdl(stamps ? rms_norm_kernel<T, ADD, SUMS, true> : rms_norm_kernel<T, ADD, SUMS, false>, dim3(rows),
+    launch_pdl(stamp.buf ? rms_norm_kernel<T, ADD, SUMS, true> : rms_norm_kernel<T, ADD, SUMS, false>, dim3(rows),
         dim3(kThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
         SUMS ? nullptr : reinterpret_cast<const T*>(x.data_ptr()),
         SUMS ? reinterpret_cast<const float*>(x.data_ptr()) : nullptr, parts,
         res ? reinterpret_cast<const T*>(res->data_ptr()) : nullptr,
         reinterpret_cast<const T*>(w.data_ptr()), reinterpret_cast<T*>(out.data_ptr()),
-        new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset, stamps, id);
+        new_res ? reinterpret_cast<T*>(new_res->data_ptr()) : nullptr, h, (float)eps, unit_offset, stamp.buf,
+        stamp.id);
   });
 }
 

@@ -4,8 +4,8 @@
 // with the norm as its own kernel before (results/staging16/: 0.8B b=16 +13.7 %, 4B +2.2 %).
 //
 // One block per SM, resident for the whole product. The work is a list of units (a 16-row weight tile x one part
-// of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization), or at 9-16
-// rows with four tiles or more a block, whole tiles by a queue (produce_queued: 4B decode b=16 +3.6-3.9 %). Each
+// of K, tile-major), dealt to the blocks as equal contiguous ranges (stream-K: no wave quantization), or where the
+// segments of K are not gathered and a block has four tiles or more, whole tiles by a queue (produce_queued). Each
 // unit is copied into a ring of shared-memory slots by the copy engine (16 row copies of 2-4 KB, requested up to
 // `slots` units ahead; the first ones before the PDL wait, since weights do not depend on the previous kernel) by a
 // warp of its own: a block completes one bulk copy per ~55 ns (results/mma_ring/), so a unit's 16 copies take ~0.9 us
@@ -813,16 +813,14 @@ __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* 
   auto added = [&](int col, float (&v)[4]) {  // column col..col+3 of row xr, every segment in order
     sum_parts<4, 16>(sums + (size_t)xr * wrows + col, segs, (size_t)m * wrows, v);
   };
-  float v[4];
+  float v[4], up[4];
   added(c, v);
+  if constexpr (GATED) added(n + c, up);
+  mark_until<STAMP>(st, kLoaded, kReduced);
   if constexpr (GATED) {
-    float up[4];
-    added(n + c, up);
-    mark_until<STAMP>(st, kLoaded, kReduced);
 #pragma unroll
     for (int j = 0; j < 4; ++j) out[o + j] = from_float<T>(silu(round_to<T>(v[j])) * round_to<T>(up[j]));
   } else {
-    mark_until<STAMP>(st, kLoaded, kReduced);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       float y = round_to<T>(v[j]);
@@ -839,12 +837,11 @@ __global__ void __launch_bounds__(kSumThreads) sum_segments_kernel(const float* 
 template <typename T>
 void launch_sum(const SkinnyArgs<T>& a, bool gated) {
   const int blocks = (a.m * a.n / 4 + kSumThreads - 1) / kSumThreads;
-  unsigned long long* stamps = stamp_state().buf;  // the timeline's instantiation while it stamps
-  const int id = stamps ? stamp_launch(kSegmentSums, {a.m, 0, a.n, gated ? 1 : 0, blocks, a.segs, 0}) : 0;
-  const auto kernel = gated ? (stamps ? sum_segments_kernel<T, true, true> : sum_segments_kernel<T, true, false>)
-                            : (stamps ? sum_segments_kernel<T, false, true> : sum_segments_kernel<T, false, false>);
+  const StampTarget stamp = stamp_target(kSegmentSums, {a.m, 0, a.n, gated ? 1 : 0, blocks, a.segs, 0});
+  const auto kernel = gated ? (stamp.buf ? sum_segments_kernel<T, true, true> : sum_segments_kernel<T, true, false>)
+                            : (stamp.buf ? sum_segments_kernel<T, false, true> : sum_segments_kernel<T, false, false>);
   launch_pdl(kernel, dim3(blocks), dim3(kSumThreads), at::cuda::getCurrentCUDAStream(), dim3(1),
-             (const float*)a.seg_out, a.residual, a.out, a.segs, a.m, a.n, stamps, id);
+             (const float*)a.seg_out, a.residual, a.out, a.segs, a.m, a.n, stamp.buf, stamp.id);
 }
 
 // The product's launches: out (skinny_linear), or with sums_only each deferred segment's sums, [segs, ..., N] fp32

@@ -131,6 +131,18 @@ inline int stamp_launch(StampKind kind, std::initializer_list<int64_t> shape) {
   return id;
 }
 
+// A launch's stamping target: while the timeline stamps, its buffer and the launch's id (its row added to the table);
+// otherwise a null buffer and no row. The launch then picks its stamping instantiation by the buffer.
+struct StampTarget {
+  unsigned long long* buf;
+  int id;
+};
+
+inline StampTarget stamp_target(StampKind kind, std::initializer_list<int64_t> shape) {
+  unsigned long long* buf = stamp_state().buf;
+  return {buf, buf ? stamp_launch(kind, shape) : 0};
+}
+
 // The op (registered in skinny.cu). With `stamp`, sets the buffer (int64 [kStampWords x (1 + records)], word 1 the
 // room for records) that the launches from now on stamp into; without, none. Returns the launches stamped since
 // the previous call, [L, kStampTableCols] on the CPU. A graph captured while a buffer is set stamps into it at

@@ -57,28 +57,28 @@ FOLD_NORM = os.environ.get("SEGKI_FOLD_NORM", "1") != "0"   # 0: the norms as th
 FOLD_ROWS = 2
 
 
-# The skinny product (csrc/skinny.cu: one block per SM, a producer warp streaming 16-row weight tiles through the
-# copy engine, 8 warps on tensor cores, stream-K over the tiles, or a queue of them at 9-16 rows) takes every
-# projection at 1-SKINNY_ROUTE_ROWS rows where it runs, in place of the GEMVs (and of cuBLAS past one row on the
-# large weights). Measured on the H200
-# (benchmarks/results/skinny/): 4B decode b=1 327.0 -> 354.6 tok/s and b=4 1186.9 -> 1283.5 on the 4B weights
-# alone (run2); on every weight size 0.8B b=1 1163.1 -> 1187.0 and b=4 3280.1 -> 4458.7 (run3 -> run4, one machine),
-# though at one row it gives up the 0.8B conv epilogue. It runs the norm before it in its x staging (folds_norm):
-# against SEGKI_FOLD_NORM=0 in one run (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. The
-# GDN conv in its epilogue lost twice and was removed (run9_ab, run10_conv_ahead: 0.8B b=1 -3.8 % with the windows
-# read at each tile end, -2.6 % with them read ahead). At 9-16 rows it takes x after the norm kernel
-# (SKINNY_FOLD_ROWS): there, staging and normalizing 16 rows of x in every block took ~10 us of each 4B product in
-# the step (benchmarks/results/staging16/: routed with the norm inside, 4B b=16 4143 -> 3885 tok/s; with the norm
-# as its own kernel 4143, 0.8B 11 340 -> 12 886; with x copied in at once, 4B 4233, 0.8B 12 891; the norm inside
-# with its x copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule
-# (skinny_fits) also bounds rows x K; at 1-8 rows, where all of K does not fit, groups of blocks each take a segment
-# of K, their sums added across groups (skinny_plan: the 4B and 0.8B down at 7-8 rows; against cuBLAS there,
-# 0.8B b=8 +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments so gathered lost to cuBLAS (4B
-# b=16 -2.1 %); there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512
+# The skinny product (csrc/skinny.cu: one block per SM, a producer warp streaming 16-row weight tiles through
+# the copy engine, 8 warps on tensor cores, stream-K over the tiles, or a queue of them where a block has four
+# or more) takes every projection at 1-SKINNY_ROUTE_ROWS rows where it runs, in place of the GEMVs (and of
+# cuBLAS past one row on the large weights). Measured on the H200 (benchmarks/results/skinny/): 4B decode b=1
+# 327.0 -> 354.6 tok/s and b=4 1186.9 -> 1283.5 on the 4B weights alone (run2); on every weight size 0.8B b=1
+# 1163.1 -> 1187.0 and b=4 3280.1 -> 4458.7 (run3 -> run4, one machine), though at one row it gives up the 0.8B conv
+# epilogue. It runs the norm before it in its x staging (folds_norm): against SEGKI_FOLD_NORM=0 in one run
+# (run6_fold_ring), 0.8B b=1/4/8 +2.1/+2.2/+0.1 %, 4B +4.3/+1.6/+0.7 %. The GDN conv in its epilogue lost twice
+# and was removed (run9_ab, run10_conv_ahead: 0.8B b=1 -3.8 % with the windows read at each tile end, -2.6 %
+# with them read ahead). At 9-16 rows it takes x after the norm kernel (SKINNY_FOLD_ROWS): there, staging and
+# normalizing 16 rows of x in every block took ~10 us of each 4B product in the step
+# (benchmarks/results/staging16/: routed with the norm inside, 4B b=16 4143 -> 3885 tok/s; with the norm as its own
+# kernel 4143, 0.8B 11 340 -> 12 886; with x copied in at once, 4B 4233, 0.8B 12 891; the norm inside with its x
+# copied in at once, 4B 3962). It holds x in shared memory for the whole product, so its rule (skinny_fits) also
+# bounds rows x K; at 1-8 rows, where all of K does not fit, groups of blocks each take a segment of K, their
+# sums added across groups (skinny_plan: the 4B and 0.8B down at 7-8 rows; against cuBLAS there, 0.8B b=8
+# +7.4 %, 4B +0.5 %, benchmarks/results/segments/). At 9-16 rows segments so gathered lost to cuBLAS (4B b=16
+# -2.1 %); there, weights of at most 16 MiB take shorter parts of K instead (the 0.8B down in parts of 512
 # columns: 0.8B b=16 +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %,
-# benchmarks/results/short_parts/), and larger ones deferred segments: each group stores its sums, a second launch
-# adds them (the 4B o_proj, out_proj and down at 9-16 rows; 4B b=16 +3.7-4.0 %, b=12 +6 %, the output projections'
-# sums into the norm kernel after them +0.2-0.4 %, benchmarks/results/deferred_segments/).
+# benchmarks/results/short_parts/), and larger ones deferred segments: each group stores its sums, a second
+# launch adds them (the 4B o_proj, out_proj and down at 9-16 rows; 4B b=16 +3.7-4.0 %, b=12 +6 %, the output
+# projections' sums into the norm kernel after them +0.2-0.4 %, benchmarks/results/deferred_segments/).
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 16
