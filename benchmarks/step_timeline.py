@@ -101,11 +101,11 @@ def label(shape: dict) -> str:
     if kind == 3:
         of = f" of {shape['parts']} sums" if shape["parts"] else ""
         return f"{'add+' if shape['gated'] else ''}norm {rows}x{shape['k']}{of}"
-    if shape["kind"] == 2:
-        return f"attention step {shape['rows']}x{shape['tiles']} KV heads x {shape['parts']} splits"
-    if shape["kind"] == 1:
-        return f"{'conv+' if shape['gated'] else ''}recurrence {shape['rows']}x{shape['tiles']} heads"
-    return f"{shape['rows']}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
+    if kind == 2:
+        return f"attention step {rows}x{shape['tiles']} KV heads x {shape['parts']} splits"
+    if kind == 1:
+        return f"{'conv+' if shape['gated'] else ''}recurrence {rows}x{shape['tiles']} heads"
+    return f"{rows}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
 
 
 def known(blocks: list[dict], table: list[dict]) -> tuple[list[dict], float]:

@@ -566,9 +566,9 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
     const StampTarget stamp = stamp_target(kGdnPipe, {d.bsz, d.dk, d.hv * d.dv, 0, sms, items, d.hv});
     SEGKI_DISPATCH_HALF(dt, op, [&] {
       constexpr int kBytes = 2 * 128 * 128 * 4;   // two state slots
-      const auto kernel = stamp.buf ? gdn_recurrent_pipe_kernel<T, true> : gdn_recurrent_pipe_kernel<T, false>;
-      if (stamp.buf) allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, true>>(kBytes);
-      else allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, false>>(kBytes);
+      constexpr auto plain = gdn_recurrent_pipe_kernel<T, false>, stamped = gdn_recurrent_pipe_kernel<T, true>;
+      (stamp.buf ? allow_dynamic_smem<stamped> : allow_dynamic_smem<plain>)(kBytes);
+      const auto kernel = stamp.buf ? stamped : plain;
       launch_pdl_smem(kernel, dim3(sms), dim3(512), kBytes, stream, dim3(1),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,

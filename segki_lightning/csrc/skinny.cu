@@ -727,22 +727,16 @@ int* next_queues(int* queues) {
 // capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B 357.2 -> 351.1;
 // 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
 template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE>
-void launch_grid(const SkinnyArgs<T>& a, const SkinnyPlan& plan, int grid) {
-  constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false>;
-  allow_dynamic_smem<kernel>(kSmemBytes);
-  StampState& stamps = stamp_state();  // timeline.cuh
-  if (stamps.buf == nullptr) {
-    launch_pdl_smem(kernel, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
-                    a);
-    return;
-  }
-  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true>;
-  allow_dynamic_smem<stamped>(kSmemBytes);
-  SkinnyArgs<T> s = a;
-  s.stamps = stamps.buf;
-  s.launch_id = stamp_launch(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts * a.segs, a.tiles});
-  launch_pdl_smem(stamped, dim3(grid), dim3(kThreads), (size_t)plan.smem, at::cuda::getCurrentCUDAStream(), dim3(1),
-                  s);
+void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
+  constexpr auto plain = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false>;
+  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true>;  // while the timeline stamps
+  const StampTarget stamp =
+      stamp_target(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts * a.segs, a.tiles});
+  (stamp.buf ? allow_dynamic_smem<stamped> : allow_dynamic_smem<plain>)(kSmemBytes);
+  a.stamps = stamp.buf;
+  a.launch_id = stamp.id;
+  launch_pdl_smem(stamp.buf ? stamped : plain, dim3(grid), dim3(kThreads), (size_t)plan.smem,
+                  at::cuda::getCurrentCUDAStream(), dim3(1), a);
 }
 
 // Where segments of K are not gathered and a block's group has at least kQueueTiles tiles a block, they are dealt
