@@ -25,8 +25,9 @@ output (and the conv windows) stored, -> end; it has no gap or dry time. So do t
 (``attention step``): waited -> loaded its prologue done, -> reduced its positions attended, -> staged its split
 merged over its warps, -> first the cluster's barrier passed, -> last its outputs combined and stored, -> end the
 last barrier passed; ``units`` is its positions. Where the (row, head) items are as many as the SMs, the streamed
-recurrence (``streamed recurrence``): waited -> loaded its first item's state landed (= reduced = staged = first),
--> last its last item's output stored, -> end its states' stores done; ``units`` is its items. The kernels between
+recurrence (``streamed recurrence``; ``conv+streamed recurrence`` with the step's conv inside): waited -> loaded
+its first item's state landed (= reduced = staged = first), -> last its last item's output stored, -> end its
+states' stores done; ``units`` is its items. The kernels between
 (``norm``, ``add+norm`` with the residual add, ``of N sums`` where x comes as the product's segments' fp32 sums;
 ``segment sums``; ``conv``), as thread 0 of a block sees them: waited -> loaded its inputs in (the norm: squared),
 -> reduced the norm's block sum, -> last its outputs stored; the phases a kernel lacks last no time.
@@ -59,7 +60,7 @@ TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")
 # kinds (csrc/timeline.cuh): 0 product, 1 recurrence (k, n, gated, parts and tiles its Dk, Hv x Dv, conv inside,
 # blocks per value head, value heads), 2 attention step (D, query heads, gated, splits, KV heads), 3 norm (k its
 # width, gated 1 with the residual add, parts the fp32 sums x comes in), 4 segment sums (parts its segments),
-# 5 conv (k its width, n its channels), 6 streamed recurrence (Dk, Hv x Dv, -, items, value heads)
+# 5 conv (k its width, n its channels), 6 streamed recurrence (Dk, Hv x Dv, conv inside, items, value heads)
 ROOM = 1 << 17       # records; a 4B step at 16 rows writes ~35k (its conv: 512 blocks a GDN layer)
 STEPS = [f"{a}_{z}" for a, z in zip(PHASES, PHASES[1:])]                 # each phase's mean duration
 SUMS = ["unit_wait_us", "tile_ends_us", "units"]                         # per block, inside first -> last
@@ -93,7 +94,7 @@ def blocks_of(words: list[list[int]]) -> list[dict]:
 def label(shape: dict) -> str:
     kind, rows = shape["kind"], shape["rows"]
     if kind == 6:
-        return f"streamed recurrence {rows}x{shape['tiles']} heads"
+        return f"{'conv+' if shape['gated'] else ''}streamed recurrence {rows}x{shape['tiles']} heads"
     if kind == 5:
         return f"conv {rows}x{shape['n']} channels"
     if kind == 4:

@@ -224,6 +224,8 @@ def test_step_timeline_names_every_kind_the_kernels_stamp():
     assert named(kinds["kSegmentSums"], n=2560, parts=9) == "segment sums 16x2560 of 9"
     assert named(kinds["kGdnConv"], k=4, n=8192) == "conv 16x8192 channels"
     assert named(kinds["kGdnPipe"], k=128, n=4096, parts=512, tiles=32) == "streamed recurrence 16x32 heads"
+    conv_inside = named(kinds["kGdnPipe"], k=128, n=4096, gated=1, parts=512, tiles=32)
+    assert conv_inside == "conv+streamed recurrence 16x32 heads"
     others = {named(v, k=128, n=2048, parts=4, tiles=16) for v in kinds.values() if v}
     assert len(others) == len(kinds) - 1 and not any("->" in name for name in others)
     step = dict(launch=10, kind=2, rows=1, k=256, n=8, gated=1, grid=32, parts=16, tiles=2)   # the attention step

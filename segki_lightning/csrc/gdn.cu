@@ -9,7 +9,8 @@
 // than the SMs and a key head's value heads fit one cluster, the conv runs inside the recurrence's cluster kernel
 // instead (one launch; SEGKI_GDN_CONV=split keeps two). The recurrence of Dk = Dv = 128 heads runs
 // as resident blocks looping over the (row, head) items where there are at least as many as SMs
-// (gdn_recurrent_pipe_kernel): the same arithmetic with the states streamed in and out by the copy engine.
+// (gdn_recurrent_pipe_kernel): the same arithmetic with the states streamed in and out by the copy engine, and
+// the conv of a block's items as its prologue while the first state lands (conv_block_items).
 #include "bulk.cuh"
 #include "common.cuh"
 #include "timeline.cuh"
@@ -175,6 +176,45 @@ struct ConvIn {
     *reinterpret_cast<uint2*>(c.state + ((size_t)b * c.channels + ch) * 4) = conv4_shifted<T>(window, x);
   }
 };
+
+// The streamed recurrence's conv: a block's items all at once, while its first state lands. Its items come in
+// groups of a key head's value heads (`group` = Hv / Hk; group g: row g / Hk, key head g % Hk), the block's groups
+// `first`, `first + stride`, ...; per group its q then k channels, then each value head's v channels, through the
+// conv (ConvIn: conv_token's sums, the conv kernel's bits) into vals [groups][2 Dk + group Dv]. Each window is
+// rewritten by the thread that read it: the block alone reads its groups' channels.
+template <typename T, int DK, int DV>
+__device__ __forceinline__ void conv_block_items(const ConvArgs<T>& c, const T* __restrict__ qkv, int64_t ld, int hk,
+                                                 int group, int first, int stride, int groups, T* vals) {
+  constexpr int kAtOnce = 4;  // channels a thread has in flight
+  const int per = 2 * DK + group * DV, total = groups * per;
+  auto channel = [&](int i, int& b) {
+    const int g = first + (i / per) * stride, e = i % per, kh = g % hk;
+    b = g / hk;
+    return e < 2 * DK ? (e < DK ? kh * DK + e : hk * DK + kh * DK + e - DK)
+                      : 2 * hk * DK + (kh * group + (e - 2 * DK) / DV) * DV + (e - 2 * DK) % DV;
+  };
+  for (int i0 = threadIdx.x; i0 < total; i0 += kAtOnce * blockDim.x) {
+    ConvIn<T> in[kAtOnce];
+    int ch[kAtOnce], b[kAtOnce];
+#pragma unroll
+    for (int u = 0; u < kAtOnce; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total) {
+        ch[u] = channel(i, b[u]);
+        in[u].load_taps(c, ch[u]);
+        in[u].load_token(c, qkv + (size_t)b[u] * ld, b[u], ch[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kAtOnce; ++u) {
+      const int i = i0 + u * blockDim.x;
+      if (i < total) {
+        vals[i] = in[u].value(c);
+        in[u].store_window(c, b[u], ch[u]);
+      }
+    }
+  }
+}
 
 // q and k into shared memory (sq, sk [DK]), with the thread's partial sums of their squares.
 template <typename T, int DK, int THREADS>
@@ -398,25 +438,36 @@ __global__ void __launch_bounds__(128) gdn_recurrent_kernel(
 // Thread (tile, ty, jl) holds what thread (ty, jl) of the per-tile kernel's block `tile` holds, and the gated
 // RMSNorm sums the tiles' squares in tile order through shared memory instead of a cluster: the same arithmetic in
 // the same order (the same bits). Measured (`results/gdn_stream/`): decode at 32 rows 1.775 -> 1.657 ms (0.8B),
-// 4.71 -> 4.446 ms (4B). STAMP: the timeline's instantiation (thread 0 of each block writes its record).
-template <typename T, bool STAMP>
+// 4.71 -> 4.446 ms (4B). CONV: the step's conv inside (`mixed` is q|k|v before it): the block takes a key head's
+// value heads as consecutive items and computes the conv of all its items into shared memory (conv_block_items,
+// after the slots) while its first state lands, so that one block reads and rewrites its channels' windows and the
+// items' path is the one without the conv. STAMP: the timeline's instantiation (thread 0 of each block writes its
+// record).
+template <typename T, bool CONV, bool STAMP>
 __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     const T* __restrict__ mixed, const T* __restrict__ z, const T* __restrict__ bgate, const T* __restrict__ agate,
     RowStrides ld, float* __restrict__ state, const void* __restrict__ a_log, const void* __restrict__ dt_bias,
     bool gates_fp32, const T* __restrict__ norm_w, T* __restrict__ out, int hk, int hv, float eps, int items,
-    unsigned long long* stamps, int launch_id) {
+    ConvArgs<T> conv, unsigned long long* stamps, int launch_id) {
   Stamps st{};
   mark_start<STAMP>(st);
   constexpr int DK = 128, DV = 128, THREADS = 512, TILES = DV / 32, R = DK / 4, SLOT = DK * DV, BYTES = SLOT * 4;
+  using In = ItemIn<T, DK, THREADS>;
   extern __shared__ __align__(16) float slots[];   // [2][DK * DV]
   __shared__ float sq[DK], sk[DK], red[TILES][2][4][32], sq_tile[TILES];
   __shared__ float2 norms[THREADS / 32];
   __shared__ __align__(8) uint64_t bar[2];
   const int tile = threadIdx.x >> 7, ty = (threadIdx.x >> 5) & 3, jl = threadIdx.x & 31, j = tile * 32 + jl;
+  // the block's k-th item: groups of `group` consecutive items (with the conv, a key head's value heads), a group
+  // every gridDim.x in turn
+  const int group = CONV ? hv / hk : 1;
+  auto item_at = [&](int k) { return (blockIdx.x + k / group * gridDim.x) * group + k % group; };
   pdl_launch_dependents();
+  const int first = item_at(0);
+  if (first >= items) return;  // with the conv, fewer groups than blocks
   // before the wait only an L2 prefetch of the first item's state (safe whatever kernel wrote it last: writes
   // land in L2, a prefetch only warms it): one 128-byte line per thread
-  prefetch_l2(state + (size_t)blockIdx.x * SLOT + threadIdx.x * 32);
+  prefetch_l2(state + (size_t)first * SLOT + threadIdx.x * 32);
   if (threadIdx.x == 0) {
     mbar_init(&bar[0]);
     mbar_init(&bar[1]);
@@ -431,15 +482,37 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     bulk_load(slots + slot * SLOT, src, BYTES / 2, &bar[slot]);
     bulk_load(slots + slot * SLOT + SLOT / 2, src + SLOT / 2, BYTES / 2, &bar[slot]);
   };
-  if (threadIdx.x == 0) request(blockIdx.x, 0);
-  auto in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
-                                      blockIdx.x / hv, blockIdx.x % hv, j);
+  T* vals = reinterpret_cast<T*>(slots + 2 * SLOT);  // with the conv: its outputs [groups][2 Dk + group Dv]
+  auto load = [&](int item, int k, In& in) {  // the block's k-th item
+    const int b = item / hv, h = item % hv;
+    if constexpr (CONV) {
+      const T* v = vals + (size_t)(k / group) * (2 * DK + group * DV);
+      in.v_raw = v[2 * DK + (k % group) * DV + j];
+      if (threadIdx.x < DK) {
+        in.q_raw[0] = v[threadIdx.x];
+        in.k_raw[0] = v[DK + threadIdx.x];
+      }
+      load_gates(in, z, bgate, agate, ld, DV, b, h, j);
+      load_params(in, a_log, dt_bias, gates_fp32, norm_w, h, j);
+    } else {
+      in = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV, b,
+                                     h, j);
+    }
+  };
+  if (threadIdx.x == 0) request(first, 0);
+  if constexpr (CONV) {
+    const int groups = items / group, mine = (groups - (first / group) + gridDim.x - 1) / gridDim.x;
+    conv_block_items<T, DK, DV>(conv, mixed, ld.mixed, hk, group, first / group, gridDim.x, mine, vals);
+    __syncthreads();
+  }
+  In in;
+  load(first, 0, in);
   stash_qk(in, sq, sk);
   put_qk_norms(in, norms);
   __syncthreads();
   int k = 0;
-  for (int item = blockIdx.x; item < items; item += gridDim.x, ++k) {
-    const int b = item / hv, h = item % hv, slot = k & 1, next = item + gridDim.x;
+  for (int item = first; item < items; item = item_at(++k)) {
+    const int b = item / hv, h = item % hv, slot = k & 1, next = item_at(k + 1);
     float* cur = slots + slot * SLOT + (ty * R) * DV + j;
     mbar_wait(&bar[slot], (k >> 1) & 1);
     if (k == 0) mark_until<STAMP>(st, kLoaded, kFirst);
@@ -456,10 +529,8 @@ __global__ void __launch_bounds__(512, 1) gdn_recurrent_pipe_kernel(
     }
     const float o = delta_rule<T, R>(s, in, sq, sk, sc.x, sc.y, red[tile], ty, jl);
     // the next item's inputs requested now: their round trip overlaps this item's store and norm
-    auto nxt = in;
-    if (next < items)
-      nxt = load_item<T, DK, THREADS>(mixed, z, bgate, agate, ld, a_log, dt_bias, gates_fp32, norm_w, hk, hv, DV,
-                                      next / hv, next % hv, j);
+    In nxt = in;
+    if (next < items) load(next, k + 1, nxt);
 #pragma unroll
     for (int i = 0; i < R; ++i) cur[i * DV] = s[i];
     bulk_fence_reuse();  // this thread's writes of the slot, before the copy engine reads them
@@ -523,8 +594,14 @@ GdnDims check_recurrence(const char* op, const at::Tensor& mixed, const at::Tens
   return d;
 }
 
-// The step's conv inside the recurrence's cluster kernel (gdn_decode_step where the items are fewer than the SMs):
-// Qwen3.5's width 4 with 8-byte aligned windows and taps, and the value heads of a key head within one cluster.
+// Whether the recurrence streams its (row, value head) items through resident blocks (gdn_recurrent_pipe_kernel):
+// 128 x 128 heads, as many items as SMs or more.
+bool streamed(const GdnDims& d) {
+  return d.dk == 128 && d.dv == 128 && d.bsz * d.hv >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+// The step's conv inside the recurrence (gdn_decode_step): Qwen3.5's width 4 with 8-byte aligned windows and taps,
+// and where the items are fewer than the SMs, the value heads of a key head within one cluster.
 // SEGKI_GDN_CONV=split keeps the conv kernel before the recurrence.
 struct ConvTensors {
   at::Tensor& state;
@@ -532,12 +609,23 @@ struct ConvTensors {
   const c10::optional<at::Tensor>& bias;
 };
 
+constexpr int kPipeSlotBytes = 2 * 128 * 128 * 4;  // the streamed recurrence's two state slots
+constexpr int kPipeConvBytes = 64 * 1024;          // and the most room it takes for its conv's outputs
+
+// The streamed recurrence's conv outputs in a block (bytes, half types): its groups of a key head's value heads,
+// at most ceil(groups / SMs), of 2 Dk + (Hv / Hk) Dv values each (conv_block_items).
+int streamed_conv_bytes(const GdnDims& d) {
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, groups = d.bsz * d.hk;
+  return (groups + sms - 1) / sms * (2 * d.dk + d.hv / d.hk * d.dv) * 2;
+}
+
 bool conv_inside(const GdnDims& d, const ConvTensors& c) {
   static const bool split = env_is("SEGKI_GDN_CONV", "split");
   const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0; };
-  return !split && c.state.size(2) == 4 && aligned(c.state) && aligned(c.weight) &&
-         d.bsz * d.hv < at::cuda::getCurrentDeviceProperties()->multiProcessorCount &&
-         (d.hv / d.hk) * (d.dv / 32) <= kMaxCluster;
+  const bool room = streamed(d) ? streamed_conv_bytes(d) <= kPipeConvBytes
+                                : d.bsz * d.hv < at::cuda::getCurrentDeviceProperties()->multiProcessorCount &&
+                                      (d.hv / d.hk) * (d.dv / 32) <= kMaxCluster;
+  return !split && c.state.size(2) == 4 && aligned(c.state) && aligned(c.weight) && room;
 }
 
 // Launches the recurrence on `mixed` (after the conv; with `conv`, before it: the conv runs inside); returns
@@ -562,23 +650,6 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, items = d.bsz * d.hv;
-  if (d.dk == 128 && d.dv == 128 && items >= sms) {
-    const StampTarget stamp = stamp_target(kGdnPipe, {d.bsz, d.dk, d.hv * d.dv, 0, sms, items, d.hv});
-    SEGKI_DISPATCH_HALF(dt, op, [&] {
-      constexpr int kBytes = 2 * 128 * 128 * 4;   // two state slots
-      constexpr auto plain = gdn_recurrent_pipe_kernel<T, false>, stamped = gdn_recurrent_pipe_kernel<T, true>;
-      (stamp.buf ? allow_dynamic_smem<stamped> : allow_dynamic_smem<plain>)(kBytes);
-      const auto kernel = stamp.buf ? stamped : plain;
-      launch_pdl_smem(kernel, dim3(sms), dim3(512), kBytes, stream, dim3(1),
-          reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
-          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
-          recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
-          static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
-          reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
-          (float)norm_eps, items, stamp.buf, stamp.id);
-    });
-    return out;
-  }
   SEGKI_DISPATCH_HALF(dt, op, [&] {
     ConvArgs<T> ca{};
     if (conv) {
@@ -586,6 +657,27 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
       ca.w = reinterpret_cast<const T*>(conv->weight.data_ptr());
       ca.bias = conv->bias ? reinterpret_cast<const T*>(conv->bias->data_ptr()) : nullptr;
       ca.channels = d.c_total;
+    }
+    if (streamed(d)) {
+      const StampTarget stamp = stamp_target(kGdnPipe, {d.bsz, d.dk, d.hv * d.dv, conv ? 1 : 0, sms, items, d.hv});
+      const int bytes = kPipeSlotBytes + (conv ? streamed_conv_bytes(d) : 0);
+      auto pick = [&](auto conv_const, auto stamp_const) {
+        constexpr bool C = decltype(conv_const)::value, S = decltype(stamp_const)::value;
+        allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, C, S>>(kPipeSlotBytes + (C ? kPipeConvBytes : 0));
+        return gdn_recurrent_pipe_kernel<T, C, S>;
+      };
+      using Yes = std::true_type;
+      using No = std::false_type;
+      const auto kernel = conv ? (stamp.buf ? pick(Yes{}, Yes{}) : pick(Yes{}, No{}))
+                               : (stamp.buf ? pick(No{}, Yes{}) : pick(No{}, No{}));
+      launch_pdl_smem(kernel, dim3(sms), dim3(512), bytes, stream, dim3(1),
+          reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
+          reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,
+          recurrent_state.data_ptr<float>(), static_cast<const void*>(a_log_p.data_ptr()),
+          static_cast<const void*>(dt_bias_p.data_ptr()), gates_fp32,
+          reinterpret_cast<const T*>(norm_weight.data_ptr()), reinterpret_cast<T*>(out.data_ptr()), d.hk, d.hv,
+          (float)norm_eps, items, ca, stamp.buf, stamp.id);
+      return;
     }
     auto launch = [&](auto dk_const) {
       constexpr int DK = decltype(dk_const)::value;

@@ -102,7 +102,7 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
 // step: rows, D, query heads, 1 when gated (else 0), grid, splits (blocks per cluster), KV heads; the norm: rows,
 // width, 0, 1 with the residual add, grid, parts of fp32 sums x comes in (0: x itself), 0; the segments' sums: rows,
 // 0, output columns, gated, grid, segments, 0; the conv: rows, conv width, channels, 0, grid, 0, 0; the streamed
-// recurrence: rows, Dk, value heads x Dv, 0, grid, (row, head) items, value heads.
+// recurrence: rows, Dk, value heads x Dv, 1 with the conv inside (else 0), grid, (row, head) items, value heads.
 enum StampKind : int64_t {
   kSkinnyProduct = 0, kGdnRecurrence = 1, kAttentionStep = 2, kNorm = 3, kSegmentSums = 4, kGdnConv = 5,
   kGdnPipe = 6

@@ -507,12 +507,15 @@ torch.save(outs, sys.argv[2])
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path, dtype):
-    """Where its (row, value head) items are fewer than the SMs, gdn_decode_step runs the conv inside the
-    recurrence's cluster kernel (each block computing its key head's q and k channels, one block per key head
-    rewriting their windows once every block of the cluster has read them); ``SEGKI_GDN_CONV=split`` keeps the
-    conv kernel before the recurrence. Output, conv windows and recurrent state are bit-identical: the 4B heads (two
-    value heads per key head: clusters of 8 blocks), the 0.8B's and Dk = 256, at 1 and 3 rows and at the most rows
-    below the SM count, with a conv bias, and on column slices of one product. One child process per setting."""
+    """gdn_decode_step runs the conv inside the recurrence: where its (row, value head) items are fewer than the
+    SMs, inside the cluster kernel (each block computing its key head's q and k channels, one block per key head
+    rewriting their windows once every block of the cluster has read them); where they are as many or more, inside
+    the streamed kernel (a block takes a key head's value heads in a row and computes the conv of all its items
+    into shared memory first, rewriting each window it read). ``SEGKI_GDN_CONV=split`` keeps the conv kernel before the recurrence. Output, conv windows and recurrent
+    state are bit-identical: the 4B heads (two value heads per key head: clusters of 8 blocks), the 0.8B's and Dk =
+    256, at 1 and 3 rows, at the most rows below the SM count and the fewest at or above it (streamed where Dk is
+    128; Dk = 256 keeps the conv kernel there), at 16 and at 33 rows (a block's groups of items wrap past the
+    grid), with a conv bias, and on column slices of one product. One child process per setting."""
     import os
     import subprocess
     import sys
@@ -521,7 +524,8 @@ def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path
     cases = []
     for shape in ("4b", "08b", "dk256"):
         hk, hv, dk, dv = GDN_SHAPES[shape]
-        for batch, bias, sliced in ((1, False, False), (3, True, False), ((sms - 1) // hv, False, True)):
+        for batch, bias, sliced in ((1, False, False), (3, True, False), ((sms - 1) // hv, False, True),
+                                    (-(-sms // hv), False, False), (16, True, True), (33, False, False)):
             g = gdn_inputs(batch, hk, hv, dk, dv, dtype)
             if bias:
                 g["conv_bias"] = randn(g["qkv"].shape[1], dtype=dtype)
@@ -541,6 +545,28 @@ def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path
         for a, b in zip(inside, split, strict=True):
             assert not torch.isnan(a).any() and torch.equal(a, b)
         assert not torch.equal(inside[1], case["conv_state"])     # the windows moved
+
+
+@pytest.mark.parametrize("shape", ["4b", "08b"])
+def test_the_gdn_step_runs_its_conv_inside_the_streamed_recurrence(shape, monkeypatch):
+    """Where the (row, value head) items are as many as the SMs (16 rows of the 4B and 0.8B heads), gdn_decode_step
+    is one stamped launch: the streamed recurrence (kind 6) with the conv inside (the launch table's fourth number),
+    no conv kernel; with ``SEGKI_GDN_CONV=split`` in the environment of a child process it would be two (the bits
+    are the same: test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits)."""
+    monkeypatch.delenv("SEGKI_GDN_CONV", raising=False)
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    g = gdn_inputs(16, hk, hv, dk, dv, torch.bfloat16)
+    buf = stamp_buffer()
+    torch.ops.segki.timeline_stamps(buf, True)
+    torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert table.shape == (1, 9)
+    launch, kind, rows, _, _, conv, grid, items, _ = table[0].tolist()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (kind, rows, conv, grid, items) == (6, 16, 1, sms, 16 * hv)
+    rec = stamped_records(buf, launch, grid)                               # every block has items at 16 rows
+    assert rec[:, 6 + STAMP_PHASES].sum().item() == items                  # every item, once
 
 
 @pytest.mark.parametrize("shape", list(GDN_SHAPES))
