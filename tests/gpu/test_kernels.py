@@ -507,15 +507,15 @@ torch.save(outs, sys.argv[2])
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path, dtype):
-    """gdn_decode_step runs the conv inside the recurrence: where its (row, value head) items are fewer than the
-    SMs, inside the cluster kernel (each block computing its key head's q and k channels, one block per key head
-    rewriting their windows once every block of the cluster has read them); where they are as many or more, inside
-    the streamed kernel (a block takes a key head's value heads in a row and computes the conv of all its items
-    into shared memory first, rewriting each window it read). ``SEGKI_GDN_CONV=split`` keeps the conv kernel before the recurrence. Output, conv windows and recurrent
-    state are bit-identical: the 4B heads (two value heads per key head: clusters of 8 blocks), the 0.8B's and Dk =
-    256, at 1 and 3 rows, at the most rows below the SM count and the fewest at or above it (streamed where Dk is
-    128; Dk = 256 keeps the conv kernel there), at 16 and at 33 rows (a block's groups of items wrap past the
-    grid), with a conv bias, and on column slices of one product. One child process per setting."""
+    """gdn_decode_step runs the conv inside the recurrence: where its (row, value head) items are fewer than the SMs,
+    inside the cluster kernel (each block computing its key head's q and k channels, one block per key head rewriting
+    their windows once every block of the cluster has read them); where they are as many or more, inside the streamed
+    kernel (a block takes a key head's value heads in a row and computes the conv of all its items into shared memory
+    first, rewriting each window it read). ``SEGKI_GDN_CONV=split`` keeps the conv kernel before the recurrence. Output,
+    conv windows and recurrent state are bit-identical: the 4B heads (two value heads per key head: clusters of 8
+    blocks), the 0.8B's and Dk = 256, at 1 and 3 rows, at the most rows below the SM count and the fewest at or above it
+    (streamed where Dk is 128; Dk = 256 keeps the conv kernel there), at 16 and at 33 rows (a block's groups of items
+    wrap past the grid), with a conv bias, and on column slices of one product. One child process per setting."""
     import os
     import subprocess
     import sys
