@@ -547,6 +547,19 @@ def test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits(tmp_path
         assert not torch.equal(inside[1], case["conv_state"])     # the windows moved
 
 
+def stamped_gdn_step(rows: int, shape: str):
+    """One bf16 gdn_decode_step of `rows` rows of a GDN_SHAPES shape while the timeline stamps: its launch table and
+    the stamp buffer."""
+    hk, hv, dk, dv = GDN_SHAPES[shape]
+    g = gdn_inputs(rows, hk, hv, dk, dv, torch.bfloat16)
+    buf = stamp_buffer()
+    torch.ops.segki.timeline_stamps(buf, True)
+    torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    return table, buf
+
+
 @pytest.mark.parametrize("shape", ["4b", "08b"])
 def test_the_gdn_step_runs_its_conv_inside_the_streamed_recurrence(shape, monkeypatch):
     """Where the (row, value head) items are as many as the SMs (16 rows of the 4B and 0.8B heads), gdn_decode_step
@@ -554,13 +567,8 @@ def test_the_gdn_step_runs_its_conv_inside_the_streamed_recurrence(shape, monkey
     no conv kernel; with ``SEGKI_GDN_CONV=split`` in the environment of a child process it would be two (the bits
     are the same: test_the_gdn_step_with_its_conv_inside_gives_the_split_kernels_bits)."""
     monkeypatch.delenv("SEGKI_GDN_CONV", raising=False)
-    hk, hv, dk, dv = GDN_SHAPES[shape]
-    g = gdn_inputs(16, hk, hv, dk, dv, torch.bfloat16)
-    buf = stamp_buffer()
-    torch.ops.segki.timeline_stamps(buf, True)
-    torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
-    table = torch.ops.segki.timeline_stamps(buf, False)
-    torch.cuda.synchronize()
+    hv = GDN_SHAPES[shape][1]
+    table, buf = stamped_gdn_step(16, shape)
     assert table.shape == (1, 9)
     launch, kind, rows, _, _, conv, grid, items, _ = table[0].tolist()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -577,12 +585,7 @@ def test_the_gdn_step_runs_its_conv_inside_where_a_cluster_holds_a_key_heads_blo
     not (``odd``: 3 value heads of 3 blocks)."""
     monkeypatch.delenv("SEGKI_GDN_CONV", raising=False)
     hk, hv, dk, dv = GDN_SHAPES[shape]
-    g = gdn_inputs(1, hk, hv, dk, dv, torch.bfloat16)
-    buf = stamp_buffer()
-    torch.ops.segki.timeline_stamps(buf, True)
-    torch.ops.segki.gdn_decode_step(*g.values(), 1e-6, hk, dk, dv)
-    table = torch.ops.segki.timeline_stamps(buf, False)
-    torch.cuda.synchronize()
+    table, _ = stamped_gdn_step(1, shape)
     if shape == "odd":
         assert table.shape == (2, 9) and table[:, 1].tolist() == [5, 1]      # the conv kernel, the recurrence
         assert table[0, 2:5].tolist() == [1, 4, 2 * hk * dk + hv * dv]      # rows, conv width, channels
