@@ -829,12 +829,14 @@ at::Tensor decode_attention_step(const at::Tensor& q, const at::Tensor& k, const
       constexpr int WARPS = GG * DD <= kStepWarpFloats ? 8 : 4;
       constexpr auto plain = attn_step_kernel<T, DD, GG, WARPS, false>;
       constexpr auto stamping = attn_step_kernel<T, DD, GG, WARPS, true>;  // the timeline's, while it stamps
-      a.stamps = stamp_state().buf;
-      const int splits = std::min(want, a.stamps ? max_cluster_blocks<stamping>(dim3(WARPS * 32))
-                                                 : max_cluster_blocks<plain>(dim3(WARPS * 32)));
-      if (a.stamps) a.launch_id = stamp_launch(kAttentionStep, {p.bsz, p.d, p.hq, gated ? 1 : 0,
-                                                                splits * p.hkv * p.bsz, splits, p.hkv});
-      launch_pdl(a.stamps ? stamping : plain, dim3(splits, p.hkv, p.bsz), dim3(WARPS * 32),
+      const bool stamps = stamp_state().buf != nullptr;
+      const int splits = std::min(want, stamps ? max_cluster_blocks<stamping>(dim3(WARPS * 32))
+                                               : max_cluster_blocks<plain>(dim3(WARPS * 32)));
+      const StampTarget stamp = stamp_target(kAttentionStep, {p.bsz, p.d, p.hq, gated ? 1 : 0,
+                                                              splits * p.hkv * p.bsz, splits, p.hkv});
+      a.stamps = stamp.buf;
+      a.launch_id = stamp.id;
+      launch_pdl(stamp.buf ? stamping : plain, dim3(splits, p.hkv, p.bsz), dim3(WARPS * 32),
                  at::cuda::getCurrentCUDAStream(), dim3(splits, 1, 1), a);
     };
     with_group_size(p.d, g, run);
