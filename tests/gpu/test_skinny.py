@@ -10,7 +10,8 @@ import torch
 from segki_lightning.ops import dispatch, reference as R
 from segki_lightning.ops.extension import native_ops
 
-from .test_kernels import DTYPES, TOL, assert_every_element, captured, f32, poison, randn, rel_err
+from .test_kernels import (DTYPES, STAMP_PHASES, STAMP_WORDS, TOL, assert_every_element, captured, f32, poison,
+                           randn, rel_err, stamp_buffer)
 
 pytestmark = pytest.mark.gpu
 
@@ -406,11 +407,10 @@ def test_stamping_deferred_segments_records_the_product_and_its_sum_kernel():
     its segments' sum kernel (kind 4: rows, output columns, gated, grid, segments), every block of both writing one
     record with the SM clock in phase order; the output is the plain launches' bits."""
     n, k, _ = SHAPES["4b_down"]
-    rows, words, phases = 16, 16, 8
+    rows, words, phases = 16, STAMP_WORDS, STAMP_PHASES
     x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     plain = torch.ops.segki.skinny_linear(x, w)
-    buf = torch.zeros(words * 1025, dtype=torch.int64, device="cuda")
-    buf[1] = 1024
+    buf = stamp_buffer(1024)
     torch.ops.segki.timeline_stamps(buf, True)
     poison((rows, n), dtype=torch.bfloat16)
     stamped = torch.ops.segki.skinny_linear(x, w)
