@@ -625,7 +625,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kc, const at:
   auto out = at::empty_like(q);
   if (bsz == 0) return out;
   c10::cuda::CUDAGuard guard(q.device());
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_count();
   const bool batched = batched_attention(bsz * hkv);
   auto fopt = q.options().dtype(at::kFloat);
   auto stream = at::cuda::getCurrentCUDAStream();

@@ -345,6 +345,9 @@ void allow_dynamic_smem(int bytes) {
   done.fetch_or(bit, std::memory_order_relaxed);
 }
 
+// The current device's SMs (the grids of the kernels that keep one block an SM, and the rules that count on them).
+inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
 // Blocks of `Kernel` resident at once on the device: its first wave (found on the first call). Only these can start
 // beside the previous kernel under PDL (gemv.cu: only they warm L2 before the wait), and a grid past them runs a
 // second wave that costs a whole block's time (attention.cu sizes its splits to one wave).
@@ -353,7 +356,7 @@ int first_wave_blocks(int threads, int smem) {
   static const int blocks = [&] {
     int per_sm = 0;
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, threads, smem));
-    return per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    return per_sm * sm_count();
   }();
   return blocks;
 }

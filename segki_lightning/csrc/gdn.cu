@@ -597,7 +597,7 @@ GdnDims check_recurrence(const char* op, const at::Tensor& mixed, const at::Tens
 // Whether the recurrence streams its (row, value head) items through resident blocks (gdn_recurrent_pipe_kernel):
 // 128 x 128 heads, as many items as SMs or more.
 bool streamed(const GdnDims& d) {
-  return d.dk == 128 && d.dv == 128 && d.bsz * d.hv >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return d.dk == 128 && d.dv == 128 && d.bsz * d.hv >= sm_count();
 }
 
 // The step's conv inside the recurrence (gdn_decode_step): Qwen3.5's width 4 with 8-byte aligned windows and taps,
@@ -615,7 +615,7 @@ constexpr int kPipeConvBytes = 64 * 1024;          // and the most room it takes
 // The streamed recurrence's conv outputs in a block (bytes, half types): its groups of a key head's value heads,
 // at most ceil(groups / SMs), of 2 Dk + (Hv / Hk) Dv values each (conv_block_items).
 int streamed_conv_bytes(const GdnDims& d) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, groups = d.bsz * d.hk;
+  const int sms = sm_count(), groups = d.bsz * d.hk;
   return (groups + sms - 1) / sms * (2 * d.dk + d.hv / d.hk * d.dv) * 2;
 }
 
@@ -623,8 +623,7 @@ bool conv_inside(const GdnDims& d, const ConvTensors& c) {
   static const bool split = env_is("SEGKI_GDN_CONV", "split");
   const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 8 == 0; };
   const bool room = streamed(d) ? streamed_conv_bytes(d) <= kPipeConvBytes
-                                : d.bsz * d.hv < at::cuda::getCurrentDeviceProperties()->multiProcessorCount &&
-                                      (d.hv / d.hk) * (d.dv / 32) <= kMaxCluster;
+                                : d.bsz * d.hv < sm_count() && (d.hv / d.hk) * (d.dv / 32) <= kMaxCluster;
   return !split && c.state.size(2) == 4 && aligned(c.state) && aligned(c.weight) && room;
 }
 
@@ -649,7 +648,7 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
   ld.mixed = mixed.is_contiguous() ? d.c_total : mixed.stride(0);   // gdn_decode_step: the conv's own output
   c10::cuda::CUDAGuard guard(mixed.device());
   auto stream = at::cuda::getCurrentCUDAStream();
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount, items = d.bsz * d.hv;
+  const int sms = sm_count(), items = d.bsz * d.hv;
   SEGKI_DISPATCH_HALF(dt, op, [&] {
     ConvArgs<T> ca{};
     if (conv) {
@@ -666,10 +665,10 @@ at::Tensor launch_recurrence(const char* op, const GdnDims& d, const at::Tensor&
         allow_dynamic_smem<gdn_recurrent_pipe_kernel<T, C, S>>(kPipeSlotBytes + (C ? kPipeConvBytes : 0));
         return gdn_recurrent_pipe_kernel<T, C, S>;
       };
-      using Yes = std::true_type;
-      using No = std::false_type;
-      const auto kernel = conv ? (stamp.buf ? pick(Yes{}, Yes{}) : pick(Yes{}, No{}))
-                               : (stamp.buf ? pick(No{}, Yes{}) : pick(No{}, No{}));
+      auto stamped_or_not = [&](auto conv_const) {
+        return stamp.buf ? pick(conv_const, std::true_type{}) : pick(conv_const, std::false_type{});
+      };
+      const auto kernel = conv ? stamped_or_not(std::true_type{}) : stamped_or_not(std::false_type{});
       launch_pdl_smem(kernel, dim3(sms), dim3(512), bytes, stream, dim3(1),
           reinterpret_cast<const T*>(mixed.data_ptr()), reinterpret_cast<const T*>(z.data_ptr()),
           reinterpret_cast<const T*>(b.data_ptr()), reinterpret_cast<const T*>(a.data_ptr()), ld,

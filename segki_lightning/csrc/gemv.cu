@@ -774,7 +774,7 @@ bool launch_bulk(const GemvArgs<T>& a, const RowStart& rs, int total_rows) {
 // K slices per group: double while the grid is below 4 blocks per SM and each slice keeps at least two
 // rounds of kUnroll k blocks.
 int choose_splits(int groups, int kblocks) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_count();
   int splits = 1;
   while (splits < kMaxSplits && groups * splits < 4 * sms && kblocks / (2 * splits) >= 2 * kUnroll) splits *= 2;
   return splits;
@@ -1033,7 +1033,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   const int64_t n8 = gate.numel() / 8;
   if (n8 == 0) return out;
   c10::cuda::CUDAGuard guard(gate.device());
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_count();
   const int blocks = (int)std::min<int64_t>((n8 + 255) / 256, 8 * sms);
   SEGKI_DISPATCH_HALF(gate.scalar_type(), op, [&] {
     launch_pdl(silu_mul_kernel<T>, dim3(blocks), dim3(256), at::cuda::getCurrentCUDAStream(), dim3(1),

@@ -251,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> sample_tokens(const at::Tensor& logits, const
   auto logprobs = at::empty({bsz}, logits.options().dtype(at::kFloat));
   if (bsz == 0) return {tokens, logprobs};
   c10::cuda::CUDAGuard guard(logits.device());
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int sms = sm_count();
   // ~8 blocks of 256 threads per SM over all rows (at 2 per SM a 32-row batch kept only ~8 KB of logits in
   // flight per SM and left the Gumbel arithmetic short of warps); at most 64 slices per row.
   const int splits = std::max(1, std::min({(8 * sms + bsz - 1) / bsz, 64, (vocab + 2047) / 2048}));

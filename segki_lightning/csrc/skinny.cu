@@ -753,7 +753,7 @@ void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, (size_t)plan.smem));
   TORCH_CHECK(per_sm >= 1, "segki::skinny_linear: a block of ", plan.smem, " bytes of shared memory does not fit");
-  const int resident = per_sm * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int resident = per_sm * sm_count();
   const int grid = std::min({resident, a.tiles * a.segs, kMaxGrid});
   TORCH_CHECK(grid >= a.segs, "segki::skinny_linear: ", a.segs, " segments of K need as many resident blocks");
   if constexpr (SEGS != kGathered) {
