@@ -57,7 +57,7 @@ PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "en
 # waiting for units, cycles in tile ends, units, the SM clock when its last unit had landed (products; else 0)]
 WORDS = 16
 TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")
-# kinds (csrc/timeline.cuh): 0 product, 1 recurrence (k, n, gated, parts and tiles its Dk, Hv x Dv, conv inside,
+# kinds (csrc/timeline.cuh): 0 product (gated: 1 gated, 2 x in registers), 1 recurrence (k, n, gated, parts and tiles its Dk, Hv x Dv, conv inside,
 # blocks per value head, value heads), 2 attention step (D, query heads, gated, splits, KV heads), 3 norm (k its
 # width, gated 1 with the residual add, parts the fp32 sums x comes in), 4 segment sums (parts its segments),
 # 5 conv (k its width, n its channels), 6 streamed recurrence (Dk, Hv x Dv, conv inside, items, value heads)
@@ -106,7 +106,8 @@ def label(shape: dict) -> str:
         return f"attention step {rows}x{shape['tiles']} KV heads x {shape['parts']} splits"
     if kind == 1:
         return f"{'conv+' if shape['gated'] else ''}recurrence {rows}x{shape['tiles']} heads"
-    return f"{rows}x{shape['k']}->{shape['n']}{' gated' if shape['gated'] else ''}"
+    flags = shape["gated"]
+    return f"{rows}x{shape['k']}->{shape['n']}{' gated' if flags & 1 else ''}{' x in registers' if flags & 2 else ''}"
 
 
 def known(blocks: list[dict], table: list[dict]) -> tuple[list[dict], float]:

@@ -219,6 +219,8 @@ def test_step_timeline_names_every_kind_the_kernels_stamp():
         return tl.label(dict(dict(launch=0, rows=16, k=0, n=0, gated=0, grid=1, parts=0, tiles=0), kind=kind, **shape))
 
     assert named(kinds["kSkinnyProduct"], k=2560, n=12352) == "16x2560->12352"
+    assert named(kinds["kSkinnyProduct"], k=2560, n=9216, gated=3) == "16x2560->9216 gated x in registers"
+    assert named(kinds["kSkinnyProduct"], k=2560, n=12352, gated=2) == "16x2560->12352 x in registers"
     assert named(kinds["kNorm"], k=2560, gated=1, parts=4) == "add+norm 16x2560 of 4 sums"
     assert named(kinds["kNorm"], k=2560) == "norm 16x2560"
     assert named(kinds["kSegmentSums"], n=2560, parts=9) == "segment sums 16x2560 of 9"

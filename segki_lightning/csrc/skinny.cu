@@ -55,6 +55,10 @@
 // (results/skinny/run6_fold_ring/). Without one, x comes in by the copy engine, one copy per row: decode 4B b=16
 // +0.6-0.7 %, 0.8B b=16 +1.5 % over async copies of 16 bytes by every consumer thread (results/bulk_x/), which had
 // gained 4B b=16 +2.2 %, 0.8B b=1-8 +0.9-2.3 % over loads through registers (results/staging16/).
+//
+// x in registers (load_x_regs), at 9-16 rows of K = 2560 by a queue: each consumer thread holds the fragments of x
+// its mma reads, so the ring takes all of shared memory (five slots instead of three beside x) and more of a block's
+// weights go out before the PDL wait: 4B decode b=16 +3.4 %, b=12 +4.2 % (results/x_registers/).
 #include "bulk.cuh"
 #include "common.cuh"
 #include "timeline.cuh"
@@ -106,6 +110,7 @@ struct SkinnyPlan {
   int kp = 0, parts = 0, segs = 0, slots = 0;
   long smem = 0;
   SegMode mode = kWhole;
+  bool x_regs = false;  // x held in the consumer warps' registers (x_in_registers), not in shared memory
 };
 
 constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
@@ -114,6 +119,8 @@ constexpr int kSegRows = 8;         // rows of x up to which segments of K are g
                                     // past them, deferred
 constexpr int kMinPartCols = 512;   // the shortest parts of K planned where the longer ones do not fit (1 KB copies)
 constexpr long kShortPartsMaxBytes = 16l << 20;  // weights up to which shorter parts are planned (skinny_plan)
+constexpr int kRegParts = 2;      // x in registers (x_in_registers): K = kRegParts parts of kRegSteps x 256 columns,
+constexpr int kRegSteps = 5;      // each lane holding 16 bytes of x a step, row group and part (the 4B's K = 2560)
 
 // The weight row that row r (0-15) of tile t is.
 template <bool GATED, typename T>
@@ -221,6 +228,49 @@ __device__ __forceinline__ void mma_unit(const T* slot, const T* xs, int m, int 
       mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
       mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
     }
+  }
+}
+
+// mma_unit with x in registers (x_in_registers): xr[j][s] holds what mma_unit reads at c = 32 s for row group j,
+// so the products and their order, and the sums' bits, are mma_unit's. The part's columns are S x 256.
+template <typename T, int NB, int S>
+__device__ __forceinline__ void mma_unit_regs(const T* slot, const uint4 (&xr)[NB][S], float acc[NB][4]) {
+  constexpr int kp = S * kWarps * 32, wcols = S * 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const T* lo = slot + (size_t)g * (kp + kPad) + warp * wcols + t * 8;
+  const T* hi = lo + (size_t)8 * (kp + kPad);
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const uint4 wl = *reinterpret_cast<const uint4*>(lo + 32 * s), wh = *reinterpret_cast<const uint4*>(hi + 32 * s);
+#pragma unroll
+    for (int j = 0; j < NB; ++j) {
+      mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xr[j][s].x, xr[j][s].y);
+      mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xr[j][s].z, xr[j][s].w);
+    }
+  }
+}
+
+// x [m, P parts of S x 256 columns] into the registers mma_unit_regs reads (rows past m zero), all requested at once,
+// from L2 (ld.global.cg): x is written by the kernel before, which runs under PDL while this one starts, so the
+// read-only path (ld.global.nc) is not for it; with it the replayed 4B step at 12 and 16 rows failed (bad tokens).
+
+// Where x lives for the block's life at 9-16 rows of K = 2560 (80 registers a thread): the ring then takes all of
+// shared memory, five slots instead of three, so the block's copies before the PDL wait carry 210 KB instead of 126
+// (the blocks of the 4B's K = 2560 products wait 5.5-7 us there, and three slots land in ~4 us at an SM's share of
+// copy bandwidth: results/stamped_b16/).
+template <typename T, int NB, int P, int S>
+__device__ __forceinline__ void load_x_regs(const SkinnyArgs<T>& a, uint4 (&xr)[P][NB][S]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < NB; ++j) {
+    const int row = 8 * j + g;
+    const T* src = a.x + (size_t)(row < a.m ? row : 0) * a.k + warp * (S * 32) + t * 8;
+#pragma unroll
+    for (int q = 0; q < P; ++q)
+#pragma unroll
+      for (int s = 0; s < S; ++s)
+        xr[q][j][s] = row < a.m ? __ldcg(reinterpret_cast<const uint4*>(src + q * (S * kWarps * 32) + 32 * s))
+                                : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -451,8 +501,8 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, int s
 }
 
 // SEGS: how the launch's segments of K meet (SegMode; an instantiation each, so that the others carry none of its
-// code).
-template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool STAMP>
+// code). XREG: x in registers (load_x_regs), its ring [slots][16][kp + kPad] all of the dynamic shared memory.
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool STAMP, bool XREG = false>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
   constexpr int NB = (MAXM + 7) / 8;  // mma N-groups of 8 rows of x
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
@@ -519,10 +569,19 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   pdl_launch_dependents();
   pdl_wait();
   mark<STAMP>(st, kWaited);
-  // red is free until the first tile ends
-  float(*scratch)[32] = reinterpret_cast<float(*)[32]>(&red[0][0][0]);
-  stage_x<T, MAXM, SEGS == kWhole, QUEUE, STAMP>(a, seg, xs, scratch, w0, w1, x_bar, st);
-  consumers_sync();  // x is in place (and the norm's scratch read) before any product
+  constexpr int XP = XREG ? kRegParts : 1, XS = XREG ? kRegSteps : 1;
+  uint4 xr[XP][NB][XS];  // XREG: the thread's x for every part (load_x_regs); no barrier, no one else reads it
+  if constexpr (XREG) {
+    static_assert(SEGS == kWhole, "x in registers holds all of K");
+    load_x_regs<T, NB, XP, XS>(a, xr);
+    mark<STAMP>(st, kLoaded);  // requested, not landed
+    mark<STAMP>(st, kReduced);
+  } else {
+    // red is free until the first tile ends
+    float(*scratch)[32] = reinterpret_cast<float(*)[32]>(&red[0][0][0]);
+    stage_x<T, MAXM, SEGS == kWhole, QUEUE, STAMP>(a, seg, xs, scratch, w0, w1, x_bar, st);
+    consumers_sync();  // x is in place (and the norm's scratch read) before any product
+  }
   mark<STAMP>(st, kStaged);
   float acc[NB][4] = {};
   unsigned long long t0 = 0;  // STAMP only
@@ -550,7 +609,13 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   // The unit in `slot` (part p of the segment) into acc (`last`: maybe the block's last, stamped so); the slot back
   // to the producer once the warp is done with it.
   auto multiply = [&](int slot, int p, bool last) {
-    mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.ks, a.kp, p, acc);
+    if constexpr (XREG) {
+#pragma unroll
+      for (int q = 0; q < XP; ++q)  // the part's registers by a constant index
+        if (q == p) mma_unit_regs<T, NB, XS>(ring + slot * slot_elems, xr[q], acc);
+    } else {
+      mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.ks, a.kp, p, acc);
+    }
     if (last) mark<STAMP>(st, kLast);
     __syncwarp();
     if ((threadIdx.x & 31) == 0) mbar_arrive(&empty[slot]);
@@ -726,12 +791,13 @@ int* next_queues(int* queues) {
 // measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A grid
 // capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B 357.2 -> 351.1;
 // 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
-template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE>
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool XREG = false>
 void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
-  constexpr auto plain = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false>;
-  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true>;  // while the timeline stamps
+  constexpr auto plain = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false, XREG>;
+  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true, XREG>;  // while the timeline stamps
   const StampTarget stamp =
-      stamp_target(kSkinnyProduct, {a.m, a.k, a.n, GATED ? 1 : 0, grid, a.parts * a.segs, a.tiles});
+      stamp_target(kSkinnyProduct, {a.m, a.k, a.n, (GATED ? 1 : 0) | (XREG ? 2 : 0), grid, a.parts * a.segs,
+                                    a.tiles});
   (stamp.buf ? allow_dynamic_smem<stamped> : allow_dynamic_smem<plain>)(kSmemBytes);
   a.stamps = stamp.buf;
   a.launch_id = stamp.id;
@@ -746,6 +812,20 @@ void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
 // +1.6-1.9 %, the 0.8B within 0.3 % (run3_rows_1_8/). On every 16-row product, the 0.8B's 2.9-3.4 tiles a block
 // included, the queue (one draw in flight) gave 4B b=16 +3.4-3.5 % and 0.8B -4.7 %; x by every part (the 0.8B
 // down's 112 copies of 1 KB a block) 4B +3.9-4.0 %, 0.8B -8 % (run1).
+// x in registers (load_x_regs) where a launch of 9-16 rows deals its tiles by a queue over K = kRegParts parts of
+// kRegSteps x 256 columns, in one segment, without a norm: `regs` then has the slots that fill all of shared memory.
+// SEGKI_SKINNY_XREG=0: x in shared memory there too.
+bool x_in_registers(int m, int k, int kp, int segs, bool norm, size_t elem, SkinnyPlan& regs) {
+  if (m <= kSegRows || m > kMaxRows || norm || segs != 1 || kp != kRegSteps * kWarps * 32 || k != kRegParts * kp ||
+      env_is("SEGKI_SKINNY_XREG", "0"))
+    return false;
+  const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
+  regs.slots = (int)std::min<long>(kMaxSlots, kSmemBytes / slot_bytes);
+  regs.smem = regs.slots * slot_bytes;
+  regs.x_regs = true;
+  return true;
+}
+
 template <typename T, int MAXM, bool GATED, int SEGS = kWhole>
 void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false, false>;
@@ -761,6 +841,15 @@ void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
       TORCH_CHECK(a.segs <= kQueueStride, "segki::skinny_linear: ", a.segs, " segments of K, past the ", kQueueStride,
                   " the tile queues have room for");
       a.queue = next_queues(a.queue);
+      if constexpr (MAXM == kMaxRows && SEGS == kWhole) {
+        SkinnyPlan regs = plan;
+        if (x_in_registers(a.m, a.k, a.kp, a.segs, a.norm_w != nullptr, sizeof(T), regs)) {
+          a.slots = regs.slots;
+          a.x_pieces = false;
+          launch_grid<T, MAXM, GATED, SEGS, true, true>(a, regs, grid);
+          return;
+        }
+      }
       a.x_pieces = a.norm_w == nullptr && a.parts >= 2 && a.kp * sizeof(T) >= kMinPieceBytes;  // a norm: stage_normed
       launch_grid<T, MAXM, GATED, SEGS, true>(a, plan, grid);
       return;

@@ -97,12 +97,13 @@ __device__ __forceinline__ void write_stamps(unsigned long long* buf, int launch
 
 // The host side: the buffer later launches stamp into (null: none), and the launches made since the last
 // timeline_stamps call, kStampTableCols numbers each: launch id, kind, then what the kind's launch was --
-// the skinny product: rows of x, K, output columns, gated, grid, parts of K, tiles; the recurrence: rows, Dk,
-// value heads x Dv, 1 with the conv inside (else 0), grid, blocks per value head, value heads; the attention
-// step: rows, D, query heads, 1 when gated (else 0), grid, splits (blocks per cluster), KV heads; the norm: rows,
-// width, 0, 1 with the residual add, grid, parts of fp32 sums x comes in (0: x itself), 0; the segments' sums: rows,
-// 0, output columns, gated, grid, segments, 0; the conv: rows, conv width, channels, 0, grid, 0, 0; the streamed
-// recurrence: rows, Dk, value heads x Dv, 1 with the conv inside (else 0), grid, (row, head) items, value heads.
+// the skinny product: rows of x, K, output columns, flags (1 gated, 2 x in registers), grid, parts of K, tiles; the
+// recurrence: rows, Dk, value heads x Dv, 1 with the conv inside (else 0), grid, blocks per value head, value
+// heads; the attention step: rows, D, query heads, 1 when gated (else 0), grid, splits (blocks per cluster), KV
+// heads; the norm: rows, width, 0, 1 with the residual add, grid, parts of fp32 sums x comes in (0: x itself), 0;
+// the segments' sums: rows, 0, output columns, gated, grid, segments, 0; the conv: rows, conv width, channels, 0,
+// grid, 0, 0; the streamed recurrence: rows, Dk, value heads x Dv, 1 with the conv inside (else 0), grid, (row,
+// head) items, value heads.
 enum StampKind : int64_t {
   kSkinnyProduct = 0, kGdnRecurrence = 1, kAttentionStep = 2, kNorm = 3, kSegmentSums = 4, kGdnConv = 5,
   kGdnPipe = 6

@@ -28,6 +28,8 @@ KERNEL_SWITCHES = {
     "SEGKI_FOLD_NORM": (("0", "1"), "0: each decoder-layer norm as its own kernel, not inside the skinny product "
                                     "(1-8 rows) or the copy-engine GEMV (1-2 rows) after it"),
     "SEGKI_SKINNY": (("0",), "0: the projections at 1-16 rows on the GEMVs and cuBLAS instead of the skinny product"),
+    "SEGKI_SKINNY_XREG": (("0",), "0: the skinny product at 9-16 rows of K = 2560 keeps x in shared memory (default: "
+                                  "in registers, the weight ring taking all of shared memory)"),
     "SEGKI_GDN_CONV": (("split",), "split: the GDN decode step's conv as its own kernel before the recurrence "
                                    "(default: inside the recurrence: the cluster kernel's at few rows, the "
                                    "streamed kernel's prologue at more)"),

@@ -27,7 +27,8 @@ def native():
 # 7-8 rows, nine deferred at 9-16; 08b_down two at 7-8; 4b_o_proj four at 13-16, deferred),
 # split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down), and a
 # K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8), and at 9-16 rows tiles
-# dealt by a queue in three parts of K (x in two pieces; with a norm, in one)
+# dealt by a queue in three parts of K (x in two pieces; with a norm, in one); at 9-16 rows the 4B's K = 2560
+# products (GDN input, gate|up, q|k|v: tiles by a queue) with x in registers
 SHAPES = {
     "4b_gate_up": (2 * 9216, 2560, True), "4b_gdn_in": (12352, 2560, False), "4b_o_proj": (2560, 4096, False),
     "4b_down": (2560, 9216, False), "08b_gate_up": (2 * 3584, 1024, True), "08b_down": (1024, 3584, False),
@@ -37,6 +38,7 @@ SHAPES = {
     "split_short_parts": (16 * 140, 3584, False), "split_short_parts_gated": (16 * 140, 3584, True),
     "wide_k": (16 * 12, 16384, False), "wide_k_gated": (16 * 12, 16384, True),
     "queue_three_parts": (16 * 600, 3072, False), "queue_three_parts_gated": (16 * 600, 3072, True),
+    "4b_qkv": (10240, 2560, False),
 }
 ROWS = [1, 2, 3, 5, 8, 9, 16]
 
@@ -381,8 +383,9 @@ def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit(r
     torch.cuda.synchronize()
     assert torch.equal(stamped, plain)
     assert table.shape == (1, 9)
-    launch, kind, m, kk, nn, gated, grid, parts, tiles = table[0].tolist()
-    assert (kind, m, kk, nn, gated, tiles) == (0, rows, k, n, 0, n // 16) and parts == k // dispatch.skinny_part_cols(k)
+    launch, kind, m, kk, nn, flags, grid, parts, tiles = table[0].tolist()
+    assert (kind, m, kk, nn, tiles) == (0, rows, k, n, n // 16) and parts == k // dispatch.skinny_part_cols(k)
+    assert flags == (2 if rows > 8 else 0)  # not gated; x in registers at 9-16 rows of K = 2560 by a queue
     count = int(buf[0])
     assert count == grid
     rec = buf[words:words * (count + 1)].view(count, words).cpu()
@@ -400,6 +403,45 @@ def test_stamping_launches_record_every_block_in_phase_order_and_change_no_bit(r
     torch.cuda.synchronize()
     assert int(buf[0]) == count
     assert torch.ops.segki.timeline_stamps(buf, False).shape == (0, 9)
+
+
+def product_flags(x, w, gated):
+    """The flags (1 gated, 2 x in registers) that one stamped launch of the product writes in the launch table."""
+    buf = stamp_buffer(1024)
+    torch.ops.segki.timeline_stamps(buf, True)
+    torch.ops.segki.skinny_linear(x, w, None, gated)
+    table = torch.ops.segki.timeline_stamps(buf, False)
+    torch.cuda.synchronize()
+    assert table.shape[0] == 1 and table[0, 1] == 0
+    return int(table[0, 5])
+
+
+@pytest.mark.parametrize("rows", [9, 12, 16])
+@pytest.mark.parametrize("shape", ["4b_gdn_in", "4b_gate_up", "4b_qkv"])
+def test_x_in_registers_gives_the_bits_of_x_in_shared_memory(shape, rows, monkeypatch):
+    """At 9-16 rows the 4B's K = 2560 products hold x in the consumer warps' registers (the launch table's flag 2)
+    and their ring takes all of shared memory; each thread multiplies the same fragments in the same order as from
+    shared memory, so the outputs are the bits of SEGKI_SKINNY_XREG=0's launch (flag 0), on fresh inputs with
+    NaN-poisoned outputs, eagerly and from a replayed graph."""
+    n, k, gated = SHAPES[shape]
+    x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    out_shape = (rows, n // 2 if gated else n)
+    monkeypatch.setenv("SEGKI_SKINNY_XREG", "0")
+    assert product_flags(x, w, gated) == int(gated)
+    poison(out_shape, dtype=torch.bfloat16)
+    shared = torch.ops.segki.skinny_linear(x, w, None, gated)
+    monkeypatch.delenv("SEGKI_SKINNY_XREG")
+    assert product_flags(x, w, gated) == int(gated) | 2
+    poison(out_shape, dtype=torch.bfloat16)
+    regs = torch.ops.segki.skinny_linear(x, w, None, gated)
+    assert torch.equal(regs, shared)
+    assert rel_err(regs, want(x, w, gated)) < TOL[torch.bfloat16]
+    graph, out = captured(lambda: torch.ops.segki.skinny_linear(x, w, None, gated))
+    x.copy_(randn(rows, k, dtype=torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    monkeypatch.setenv("SEGKI_SKINNY_XREG", "0")
+    assert torch.equal(out, torch.ops.segki.skinny_linear(x, w, None, gated))
 
 
 def test_stamping_deferred_segments_records_the_product_and_its_sum_kernel():
