@@ -57,8 +57,8 @@ PHASES = ("start", "waited", "loaded", "reduced", "staged", "first", "last", "en
 # waiting for units, cycles in tile ends, units, the SM clock when its last unit had landed (products; else 0)]
 WORDS = 16
 TABLE = ("launch", "kind", "rows", "k", "n", "gated", "grid", "parts", "tiles")
-# kinds (csrc/timeline.cuh): 0 product (gated: 1 gated, 2 x in registers), 1 recurrence (k, n, gated, parts and tiles its Dk, Hv x Dv, conv inside,
-# blocks per value head, value heads), 2 attention step (D, query heads, gated, splits, KV heads), 3 norm (k its
+# kinds (csrc/timeline.cuh): 0 product (gated holds flags: 1 gated, 2 x in registers), 1 recurrence (k, n, gated,
+# parts and tiles its Dk, Hv x Dv, conv inside, blocks per value head, value heads), 2 attention step (D, query heads, gated, splits, KV heads), 3 norm (k its
 # width, gated 1 with the residual add, parts the fp32 sums x comes in), 4 segment sums (parts its segments),
 # 5 conv (k its width, n its channels), 6 streamed recurrence (Dk, Hv x Dv, conv inside, items, value heads)
 ROOM = 1 << 17       # records; a 4B step at 16 rows writes ~35k (its conv: 512 blocks a GDN layer)

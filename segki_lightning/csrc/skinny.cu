@@ -110,7 +110,6 @@ struct SkinnyPlan {
   int kp = 0, parts = 0, segs = 0, slots = 0;
   long smem = 0;
   SegMode mode = kWhole;
-  bool x_regs = false;  // x held in the consumer warps' registers (x_in_registers), not in shared memory
 };
 
 constexpr int kMaxGrid = 1024;      // blocks the workspace has room for
@@ -204,6 +203,13 @@ __device__ __forceinline__ int produce_queued(const SkinnyArgs<T>& a, int seg, i
   return issued;
 }
 
+// acc += the 16 weight rows' 16 k (wl: rows g, wh: rows g + 8; 8 consecutive k a lane) times x's (xv).
+template <typename T>
+__device__ __forceinline__ void mma_k16(float acc[4], uint4 wl, uint4 wh, uint4 xv) {
+  mma16816<T>(acc, wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
+  mma16816<T>(acc, wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
+}
+
 // acc[j] += this warp's columns of the unit in `slot` (part p of the block's segment, ks columns) times x rows
 // 8j..8j+7.
 template <typename T, int NB>
@@ -224,9 +230,7 @@ __device__ __forceinline__ void mma_unit(const T* slot, const T* xs, int m, int 
     const uint4 wl = *reinterpret_cast<const uint4*>(lo + c), wh = *reinterpret_cast<const uint4*>(hi + c);
 #pragma unroll
     for (int j = 0; j < NB; ++j) {
-      const uint4 xv = xin[j] ? *reinterpret_cast<const uint4*>(xr[j] + c) : make_uint4(0, 0, 0, 0);
-      mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xv.x, xv.y);
-      mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xv.z, xv.w);
+      mma_k16<T>(acc[j], wl, wh, xin[j] ? *reinterpret_cast<const uint4*>(xr[j] + c) : make_uint4(0, 0, 0, 0));
     }
   }
 }
@@ -243,21 +247,17 @@ __device__ __forceinline__ void mma_unit_regs(const T* slot, const uint4 (&xr)[N
   for (int s = 0; s < S; ++s) {
     const uint4 wl = *reinterpret_cast<const uint4*>(lo + 32 * s), wh = *reinterpret_cast<const uint4*>(hi + 32 * s);
 #pragma unroll
-    for (int j = 0; j < NB; ++j) {
-      mma16816<T>(acc[j], wl.x, wh.x, wl.y, wh.y, xr[j][s].x, xr[j][s].y);
-      mma16816<T>(acc[j], wl.z, wh.z, wl.w, wh.w, xr[j][s].z, xr[j][s].w);
-    }
+    for (int j = 0; j < NB; ++j) mma_k16<T>(acc[j], wl, wh, xr[j][s]);
   }
 }
 
-// x [m, P parts of S x 256 columns] into the registers mma_unit_regs reads (rows past m zero), all requested at once,
-// from L2 (ld.global.cg): x is written by the kernel before, which runs under PDL while this one starts, so the
-// read-only path (ld.global.nc) is not for it; with it the replayed 4B step at 12 and 16 rows failed (bad tokens).
-
+// x [m, P parts of S x 256 columns] into the registers mma_unit_regs reads (rows past m zero), all requested at once.
 // Where x lives for the block's life at 9-16 rows of K = 2560 (80 registers a thread): the ring then takes all of
 // shared memory, five slots instead of three, so the block's copies before the PDL wait carry 210 KB instead of 126
 // (the blocks of the 4B's K = 2560 products wait 5.5-7 us there, and three slots land in ~4 us at an SM's share of
-// copy bandwidth: results/stamped_b16/).
+// copy bandwidth: results/stamped_b16/). From L2 (ld.global.cg): x is written by the kernel before, which runs
+// under PDL while this one starts, so the read-only path (ld.global.nc) is not for it; with it the replayed 4B step
+// at 12 and 16 rows failed (bad tokens, results/x_registers/).
 template <typename T, int NB, int P, int S>
 __device__ __forceinline__ void load_x_regs(const SkinnyArgs<T>& a, uint4 (&xr)[P][NB][S]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -812,17 +812,15 @@ void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
 // +1.6-1.9 %, the 0.8B within 0.3 % (run3_rows_1_8/). On every 16-row product, the 0.8B's 2.9-3.4 tiles a block
 // included, the queue (one draw in flight) gave 4B b=16 +3.4-3.5 % and 0.8B -4.7 %; x by every part (the 0.8B
 // down's 112 copies of 1 KB a block) 4B +3.9-4.0 %, 0.8B -8 % (run1).
-// x in registers (load_x_regs) where a launch of 9-16 rows deals its tiles by a queue over K = kRegParts parts of
-// kRegSteps x 256 columns, in one segment, without a norm: `regs` then has the slots that fill all of shared memory.
-// SEGKI_SKINNY_XREG=0: x in shared memory there too.
-bool x_in_registers(int m, int k, int kp, int segs, bool norm, size_t elem, SkinnyPlan& regs) {
-  if (m <= kSegRows || m > kMaxRows || norm || segs != 1 || kp != kRegSteps * kWarps * 32 || k != kRegParts * kp ||
-      env_is("SEGKI_SKINNY_XREG", "0"))
+// x in registers (load_x_regs) where a 9-16 row launch (the caller's) deals its tiles by a queue over K = kRegParts
+// parts of kRegSteps x 256 columns, in one segment, without a norm: `regs` then has the slots that fill all of
+// shared memory. SEGKI_SKINNY_XREG=0: x in shared memory there too.
+bool x_in_registers(int k, int kp, int segs, bool norm, size_t elem, SkinnyPlan& regs) {
+  if (norm || segs != 1 || kp != kRegSteps * kWarps * 32 || k != kRegParts * kp || env_is("SEGKI_SKINNY_XREG", "0"))
     return false;
   const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
   regs.slots = (int)std::min<long>(kMaxSlots, kSmemBytes / slot_bytes);
   regs.smem = regs.slots * slot_bytes;
-  regs.x_regs = true;
   return true;
 }
 
@@ -843,7 +841,7 @@ void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
       a.queue = next_queues(a.queue);
       if constexpr (MAXM == kMaxRows && SEGS == kWhole) {
         SkinnyPlan regs = plan;
-        if (x_in_registers(a.m, a.k, a.kp, a.segs, a.norm_w != nullptr, sizeof(T), regs)) {
+        if (x_in_registers(a.k, a.kp, a.segs, a.norm_w != nullptr, sizeof(T), regs)) {
           a.slots = regs.slots;
           a.x_pieces = false;
           launch_grid<T, MAXM, GATED, SEGS, true, true>(a, regs, grid);
