@@ -98,6 +98,7 @@ struct SkinnyArgs {
   int kp, parts;      // columns per part of K, parts per segment (kp a multiple of 8 warps x 32)
   int segs, ks;       // segments of K (groups of blocks), columns per segment: ks = parts * kp
   int tiles, slots;
+  int fill_ahead;     // units in flight while the ring first fills (paced_fill), 0: all of its slots at once
   unsigned long long* stamps;  // the timeline's buffer (the stamping launches only; timeline.cuh)
   int launch_id;
 };
@@ -153,6 +154,19 @@ struct UnitCursor {
   }
 };
 
+// Before its unit `issued` goes out while the ring first fills (issued < slots), the producer waits for unit
+// issued - fill_ahead to land: a block keeps fill_ahead units in flight through its first fill instead of its whole
+// ring at once (the refills after it stay paced by the consumers). Two at 1-8 rows: decode 4B b=1 +1.2-1.5 %, b=8
+// +0.8 %, 0.8B b=8 +1.0-1.5 %, 0.8B b=1 within 0.2 % (results/paced_fill/). It was built for 9-16 rows, where the
+// norms between the products load slowly while 132 rings of five 42 KB slots are requested at once; there no pace
+// changed those loads or the step (+0.1-0.6 %), so why it pays at 1-8 rows is not established. SEGKI_SKINNY_FILL
+// sets it at every row count (0: the whole ring at once).
+constexpr int kFillAhead = 2;
+
+__device__ __forceinline__ void paced_fill(int issued, int slots, int fill_ahead, uint64_t* full) {
+  if (fill_ahead > 0 && issued >= fill_ahead && issued < slots) mbar_wait(&full[issued - fill_ahead], 0u);
+}
+
 // A group's tiles dealt by a queue (segments not gathered, the tiles many a block: kQueueTiles), so that a block that
 // streams faster takes more of them: blocks of equal units ran 17.5-23 us in one launch, their pace uncorrelated from
 // one launch to the next, so a fixed deal ends at the slowest block's pace (results/one_wave_sums/). Block j of the
@@ -179,6 +193,7 @@ __device__ __forceinline__ int produce_queued(const SkinnyArgs<T>& a, int seg, i
   for (int t = first; t < a.tiles;) {
     for (int p = 0; p < a.parts; ++p) {
       if (issued >= a.slots) mbar_wait(&empty[slot], phase ^ 1u);  // the slot's previous round consumed
+      paced_fill(issued, a.slots, a.fill_ahead, full);
       if (lane == 0) slot_tile[slot] = t;  // published by the arrival in issue_unit
       issue_unit<GATED>(a, t, seg * a.parts + p, ring + slot * slot_elems, &full[slot], policy);
       ++issued;
@@ -550,6 +565,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
       UnitCursor at(u0, a.parts);
       for (int u = u0; u < u1; ++u, at.next(a.slots, a.parts)) {
         if (u - u0 >= a.slots) mbar_wait(&empty[at.slot], at.phase ^ 1u);  // the slot's previous round consumed
+        paced_fill(u - u0, a.slots, a.fill_ahead, full);
         issue_unit<GATED>(a, at.t, seg * a.parts + at.p, ring + at.slot * slot_elems, &full[at.slot], policy);
       }
     }
@@ -994,6 +1010,7 @@ at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor&
     a.ks = plan.parts * plan.kp;
     a.tiles = (int)(w.size(0) / kTile);
     a.slots = plan.slots;
+    a.fill_ahead = (int)env_long("SEGKI_SKINNY_FILL", m <= kSegRows ? kFillAhead : 0, 0, kMaxSlots);
     if (gated) launch_rows<T, true>(a, plan);
     else launch_rows<T, false>(a, plan);
     if (deferred && !sums_only) launch_sum<T>(a, gated);

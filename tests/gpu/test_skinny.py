@@ -444,6 +444,36 @@ def test_x_in_registers_gives_the_bits_of_x_in_shared_memory(shape, rows, monkey
     assert torch.equal(out, torch.ops.segki.skinny_linear(x, w, None, gated))
 
 
+@pytest.mark.parametrize("rows", [1, 5, 8, 16])
+@pytest.mark.parametrize("shape", ["4b_gate_up", "4b_down", "split_tiles", "08b_down"])
+def test_a_paced_first_fill_gives_the_bits_of_the_whole_ring_at_once(shape, rows, monkeypatch):
+    """SEGKI_SKINNY_FILL paces when a block's first fill of weight copies goes out (unset: two units in flight at
+    1-8 rows), not what is multiplied or in which order: every pace gives the bits of the whole ring at once (0),
+    on fresh inputs with NaN-poisoned outputs, eagerly and from a replayed graph."""
+    n, k, gated = SHAPES[shape]
+    if not dispatch.skinny_fits(rows, k, n, 2):
+        pytest.skip(f"{rows} rows of K = {k} do not fit the path")
+    x, w = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
+    out_shape = (rows, n // 2 if gated else n)
+    monkeypatch.setenv("SEGKI_SKINNY_FILL", "0")
+    poison(out_shape, dtype=torch.bfloat16)
+    whole = torch.ops.segki.skinny_linear(x, w, None, gated)
+    assert rel_err(whole, want(x, w, gated)) < TOL[torch.bfloat16]
+    for fill in ("1", "2", "4", None):
+        if fill is None:
+            monkeypatch.delenv("SEGKI_SKINNY_FILL")
+        else:
+            monkeypatch.setenv("SEGKI_SKINNY_FILL", fill)
+        poison(out_shape, dtype=torch.bfloat16)
+        assert torch.equal(torch.ops.segki.skinny_linear(x, w, None, gated), whole), fill
+    graph, out = captured(lambda: torch.ops.segki.skinny_linear(x, w, None, gated))
+    x.copy_(randn(rows, k, dtype=torch.bfloat16))
+    out.fill_(float("nan"))
+    graph.replay()
+    monkeypatch.setenv("SEGKI_SKINNY_FILL", "0")
+    assert torch.equal(out, torch.ops.segki.skinny_linear(x, w, None, gated))
+
+
 def test_stamping_deferred_segments_records_the_product_and_its_sum_kernel():
     """At 16 rows in deferred segments of K (the 4B down: nine), the stamped launches are the product (kind 0) and
     its segments' sum kernel (kind 4: rows, output columns, gated, grid, segments), every block of both writing one
