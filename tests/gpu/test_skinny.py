@@ -416,6 +416,17 @@ def product_flags(x, w, gated):
     return int(table[0, 5])
 
 
+def assert_replay_gives_the_bits_of(x, w, gated, monkeypatch, switch):
+    """The product captured in a graph, replayed on fresh x into NaN-poisoned outputs, gives the bits of an eager
+    launch with `switch` set to 0 (the path it is compared with)."""
+    graph, out = captured(lambda: torch.ops.segki.skinny_linear(x, w, None, gated))
+    x.copy_(randn(*x.shape, dtype=x.dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    monkeypatch.setenv(switch, "0")
+    assert torch.equal(out, torch.ops.segki.skinny_linear(x, w, None, gated))
+
+
 @pytest.mark.parametrize("rows", [9, 12, 16])
 @pytest.mark.parametrize("shape", ["4b_gdn_in", "4b_gate_up", "4b_qkv"])
 def test_x_in_registers_gives_the_bits_of_x_in_shared_memory(shape, rows, monkeypatch):
@@ -436,12 +447,7 @@ def test_x_in_registers_gives_the_bits_of_x_in_shared_memory(shape, rows, monkey
     regs = torch.ops.segki.skinny_linear(x, w, None, gated)
     assert torch.equal(regs, shared)
     assert rel_err(regs, want(x, w, gated)) < TOL[torch.bfloat16]
-    graph, out = captured(lambda: torch.ops.segki.skinny_linear(x, w, None, gated))
-    x.copy_(randn(rows, k, dtype=torch.bfloat16))
-    out.fill_(float("nan"))
-    graph.replay()
-    monkeypatch.setenv("SEGKI_SKINNY_XREG", "0")
-    assert torch.equal(out, torch.ops.segki.skinny_linear(x, w, None, gated))
+    assert_replay_gives_the_bits_of(x, w, gated, monkeypatch, "SEGKI_SKINNY_XREG")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 8, 16])
@@ -466,12 +472,7 @@ def test_a_paced_first_fill_gives_the_bits_of_the_whole_ring_at_once(shape, rows
             monkeypatch.setenv("SEGKI_SKINNY_FILL", fill)
         poison(out_shape, dtype=torch.bfloat16)
         assert torch.equal(torch.ops.segki.skinny_linear(x, w, None, gated), whole), fill
-    graph, out = captured(lambda: torch.ops.segki.skinny_linear(x, w, None, gated))
-    x.copy_(randn(rows, k, dtype=torch.bfloat16))
-    out.fill_(float("nan"))
-    graph.replay()
-    monkeypatch.setenv("SEGKI_SKINNY_FILL", "0")
-    assert torch.equal(out, torch.ops.segki.skinny_linear(x, w, None, gated))
+    assert_replay_gives_the_bits_of(x, w, gated, monkeypatch, "SEGKI_SKINNY_FILL")
 
 
 def test_stamping_deferred_segments_records_the_product_and_its_sum_kernel():
