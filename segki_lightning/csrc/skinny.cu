@@ -157,7 +157,7 @@ struct UnitCursor {
 // Before its unit `issued` goes out while the ring first fills (issued < slots), the producer waits for unit
 // issued - fill_ahead to land: a block keeps fill_ahead units in flight through its first fill instead of its whole
 // ring at once (the refills after it stay paced by the consumers). Two at 1-8 rows: decode 4B b=1 +1.2-1.5 %, b=8
-// +0.8 %, 0.8B b=8 +1.0-1.5 %, 0.8B b=1 within 0.2 % (results/paced_fill/). It was built for 9-16 rows, where the
+// +0.6-0.9 %, 0.8B b=8 +1.0-1.2 %, 0.8B b=1 within 0.2 % (results/paced_fill/). It was built for 9-16 rows, where the
 // norms between the products load slowly while 132 rings of five 42 KB slots are requested at once; there no pace
 // changed those loads or the step (+0.1-0.6 %), so why it pays at 1-8 rows is not established. SEGKI_SKINNY_FILL
 // sets it at every row count (0: the whole ring at once).
