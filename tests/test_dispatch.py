@@ -175,7 +175,8 @@ def test_skinny_rule_parts_of_k_and_shared_memory():
     """The skinny product's parts of K (a divisor of K, a multiple of 256, nearest 1280: row copies of 2-4 KB) and
     its size rule (x, or at 1-8 rows the fewest segments of K that divide the parts, and three slots in 218 KB;
     whole rows with the norm; else, on weights of at most 16 MiB, shorter parts down to 512 columns; else, at 9-16
-    rows without the norm, deferred segments of one part each), as csrc/skinny.cu plans them."""
+    rows without the norm, deferred segments of one part each: of 1536-2048 columns with x in registers where K has
+    them and the product is not gated, else of the parts), as csrc/skinny.cu plans them."""
     assert [dispatch.skinny_part_cols(k) for k in (2560, 4096, 9216, 1024, 3584, 512, 8200, 72)] == \
         [1280, 1024, 1024, 1024, 1792, 512, 0, 0]
     fits = dispatch.skinny_fits
@@ -187,11 +188,14 @@ def test_skinny_rule_parts_of_k_and_shared_memory():
     assert fits(16, 2560, 18432, 2) and fits(16, 2560, 12352, 2) and fits(1, 2560, 248320, 2)
     assert segs(16, 2560, 18432, 2) == 1 and segs(16, 2560, 18432, 2, norm=True) == 1
     plan = dispatch.skinny_plan
-    assert plan(12, 4096, 2560, 2) == (1024, 1) and plan(16, 4096, 2560, 2) == (1024, 4)   # one part a segment
+    assert plan(12, 4096, 2560, 2) == (1024, 1) and plan(16, 4096, 2560, 2) == (2048, 2)   # one part a segment
     assert plan(16, 4096, 2560, 2, norm=True) is None                      # a norm needs whole rows
     assert plan(16, 4096, 1024, 2) == (512, 1)                             # 8 MB: parts of 512 columns
     assert segs(6, 9216, 2560, 2) == 1 and segs(7, 9216, 2560, 2) == 3 and plan(8, 9216, 2560, 2) == (1024, 3)
-    assert plan(9, 9216, 2560, 2) == (1024, 9) and plan(16, 9216, 2560, 2) == (1024, 9)   # deferred; x alone 296 KB
+    assert plan(9, 9216, 2560, 2) == (1536, 6) and plan(16, 9216, 2560, 2) == (1536, 6)   # deferred; x alone 296 KB
+    assert plan(16, 9216, 2560, 2, gated=True) == (1024, 9)                # gated: the parts, x in shared memory
+    assert [dispatch.skinny_reg_segment_cols(k, 2) for k in (4096, 9216, 6144, 3584, 2048, 16384)] == \
+        [2048, 1536, 2048, 0, 0, 2048]                                    # 3584: 7 steps, 2048: one segment
     assert plan(8, 3584, 1024, 2) == (1792, 2) and plan(16, 3584, 1024, 2) == (512, 1)   # the 0.8B down
     assert plan(8, 9216, 2560, 2, norm=True) is None                       # the norm needs whole rows; 47 MB
     assert plan(8, 9216, 128, 2) == (1024, 3) and plan(8, 9216, 128, 2, norm=True) == (512, 1)
@@ -201,6 +205,15 @@ def test_skinny_rule_parts_of_k_and_shared_memory():
     assert not fits(17, 2560, 18432, 2) and not fits(0, 2560, 18432, 2)
     assert not fits(1, 2560, 250, 2)                                      # whole 16-row tiles only
     assert not fits(1, 8200, 256, 2)                                      # no part of K
+
+
+def test_skinny_deferred_segments_in_shared_memory_under_the_switch(monkeypatch):
+    """SEGKI_SKINNY_XSEG=0 (read on every call, as the op reads it): the deferred segments of the parts of K, x in
+    shared memory, as before x in registers took them."""
+    monkeypatch.setenv("SEGKI_SKINNY_XSEG", "0")
+    assert dispatch.skinny_plan(16, 4096, 2560, 2) == (1024, 4) and dispatch.skinny_plan(16, 9216, 2560, 2) == (1024, 9)
+    monkeypatch.delenv("SEGKI_SKINNY_XSEG")
+    assert dispatch.skinny_plan(16, 4096, 2560, 2) == (2048, 2)
 
 
 def test_skinny_reference_is_the_linear_and_gated_front_references():

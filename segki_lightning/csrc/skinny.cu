@@ -58,7 +58,8 @@
 //
 // x in registers (load_x_regs), at 9-16 rows of K = 2560 by a queue: each consumer thread holds the fragments of x
 // its mma reads, so the ring takes all of shared memory (five slots instead of three beside x) and more of a block's
-// weights go out before the PDL wait: 4B decode b=16 +3.4 %, b=12 +4.2 % (results/x_registers/).
+// weights go out before the PDL wait: 4B decode b=16 +3.4 %, b=12 +4.2 % (results/x_registers/). So do the deferred
+// segments where K has parts of 1536-2048 columns (plan_deferred_regs): fewer, longer row copies.
 #include "bulk.cuh"
 #include "common.cuh"
 #include "timeline.cuh"
@@ -109,6 +110,7 @@ enum SegMode : int { kWhole = 0, kGathered = 1, kDeferred = 2 };
 
 struct SkinnyPlan {
   int kp = 0, parts = 0, segs = 0, slots = 0;
+  int xsteps = 0;  // deferred segments with x in registers (plan_deferred_regs): kp / 256, else 0
   long smem = 0;
   SegMode mode = kWhole;
 };
@@ -274,12 +276,12 @@ __device__ __forceinline__ void mma_unit_regs(const T* slot, const uint4 (&xr)[N
 // under PDL while this one starts, so the read-only path (ld.global.nc) is not for it; with it the replayed 4B step
 // at 12 and 16 rows failed (bad tokens, results/x_registers/).
 template <typename T, int NB, int P, int S>
-__device__ __forceinline__ void load_x_regs(const SkinnyArgs<T>& a, uint4 (&xr)[P][NB][S]) {
+__device__ __forceinline__ void load_x_regs(const SkinnyArgs<T>& a, int col0, uint4 (&xr)[P][NB][S]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < NB; ++j) {
     const int row = 8 * j + g;
-    const T* src = a.x + (size_t)(row < a.m ? row : 0) * a.k + warp * (S * 32) + t * 8;
+    const T* src = a.x + (size_t)(row < a.m ? row : 0) * a.k + col0 + warp * (S * 32) + t * 8;
 #pragma unroll
     for (int q = 0; q < P; ++q)
 #pragma unroll
@@ -516,9 +518,11 @@ __device__ __forceinline__ void finish_tile(const SkinnyArgs<T>& a, int t, int s
 }
 
 // SEGS: how the launch's segments of K meet (SegMode; an instantiation each, so that the others carry none of its
-// code). XREG: x in registers (load_x_regs), its ring [slots][16][kp + kPad] all of the dynamic shared memory.
-template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool STAMP, bool XREG = false>
+// code). XS > 0: x in registers (load_x_regs), XS x 256 columns a part (kp), its ring [slots][16][kp + kPad] all of
+// the dynamic shared memory: all of K in kRegParts parts (one segment), or deferred segments of one part each.
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool STAMP, int XS = 0>
 __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T> a) {
+  constexpr bool XREG = XS > 0;
   constexpr int NB = (MAXM + 7) / 8;  // mma N-groups of 8 rows of x
   Stamps st{};  // STAMP only: the block's phases (timeline.cuh)
   mark_start<STAMP>(st);
@@ -585,11 +589,11 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
   pdl_launch_dependents();
   pdl_wait();
   mark<STAMP>(st, kWaited);
-  constexpr int XP = XREG ? kRegParts : 1, XS = XREG ? kRegSteps : 1;
-  uint4 xr[XP][NB][XS];  // XREG: the thread's x for every part (load_x_regs); no barrier, no one else reads it
+  constexpr int XP = XREG && SEGS == kWhole ? kRegParts : 1, XN = XREG ? XS : 1;
+  uint4 xr[XP][NB][XN];  // XREG: the thread's x for every part (load_x_regs); no barrier, no one else reads it
   if constexpr (XREG) {
-    static_assert(SEGS == kWhole, "x in registers holds all of K");
-    load_x_regs<T, NB, XP, XS>(a, xr);
+    static_assert(SEGS == kWhole || SEGS == kDeferred, "x in registers: all of K, or a deferred segment");
+    load_x_regs<T, NB, XP, XN>(a, seg * a.ks, xr);
     mark<STAMP>(st, kLoaded);  // requested, not landed
     mark<STAMP>(st, kReduced);
   } else {
@@ -628,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1) skinny_kernel(const SkinnyArgs<T>
     if constexpr (XREG) {
 #pragma unroll
       for (int q = 0; q < XP; ++q)  // the part's registers by a constant index
-        if (q == p) mma_unit_regs<T, NB, XS>(ring + slot * slot_elems, xr[q], acc);
+        if (q == p) mma_unit_regs<T, NB, XN>(ring + slot * slot_elems, xr[q], acc);
     } else {
       mma_unit<T, NB>(ring + slot * slot_elems, xs, a.m, a.ks, a.kp, p, acc);
     }
@@ -729,6 +733,35 @@ bool plan_parts(int m, int k, int rows, size_t elem, int kp, SegMode segments, S
   return false;
 }
 
+// Deferred segments with x in registers (9-16 rows, no norm, not gated): each segment one part of kp columns, the
+// longest multiple of 256 up to kRegSegCols that divides K and that an instantiation holds (6 or 8 steps of 256),
+// the ring taking all of shared memory. Against the plain deferred segments (parts of 1024 columns: 2 KB copies,
+// x staged in shared memory) the copies are 3-4 KB, half to two thirds as many, and the sums two or six segments
+// instead of four or nine (the 4B's K = 4096 and 9216). The 16-row o_proj was bound by its blocks' copies (78 of
+// 2 KB, ~49 ns each; warming its weight in L2 changed nothing, results/attn_warm/). Measured (A/B in one run,
+// results/deferred_xregs/): 4B decode b=16 T=1 4866-4872 -> 4998-5008 tok/s (+2.7 %), b=12 +2.1 %; in the stamped
+// step the out_proj 1.2 us and the down 2.2 us shorter. SEGKI_SKINNY_XSEG=0: the plain deferred segments.
+constexpr int kRegSegCols = 2048;
+bool plan_deferred_regs(int k, size_t elem, SkinnyPlan& plan) {
+  if (env_is("SEGKI_SKINNY_XSEG", "0")) return false;
+  for (int kp = kRegSegCols; kp >= 6 * kWarps * 32; kp -= kWarps * 32) {
+    const int steps = kp / (kWarps * 32);
+    if (k % kp != 0 || (steps != 6 && steps != 8)) continue;
+    const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
+    const long slots = std::min<long>(kMaxSlots, kSmemBytes / slot_bytes);
+    if (slots < kMinSlots || k / kp < 2) return false;
+    plan.kp = kp;
+    plan.parts = 1;
+    plan.segs = k / kp;
+    plan.slots = (int)slots;
+    plan.smem = slots * slot_bytes;
+    plan.mode = kDeferred;
+    plan.xsteps = steps;
+    return true;
+  }
+  return false;
+}
+
 // The launch for x [m, k] by a weight of `rows` rows (norm: with the norm prologue), or false where this path does
 // not take it: the parts of part_cols, in segments of K at 1-8 rows (kSegRows) where all of x does not fit (one
 // segment where the launch normalizes x: the sums need whole rows); else, in one segment on weights of at most
@@ -736,7 +769,7 @@ bool plan_parts(int m, int k, int rows, size_t elem, int kp, SegMode segments, S
 // in deferred segments. Against cuBLAS at 16 rows (results/short_parts/): the 0.8B down (7.3 MB) in parts of 512
 // columns, decode 0.8B b=16 +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj (21 MB) so took 13.2 us without PDL, 4B
 // b=16 -1.4 %.
-bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& plan) {
+bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, bool gated, SkinnyPlan& plan) {
   if (m < 1 || m > kMaxRows || rows % kTile != 0 || k % 8 != 0) return false;
   const int kp = part_cols(k);
   if (kp == 0) return false;
@@ -745,7 +778,9 @@ bool skinny_plan(int m, int k, int rows, size_t elem, bool norm, SkinnyPlan& pla
     for (int p = kp - kWarps * 32; p >= kMinPartCols && !ok; p -= kWarps * 32)
       ok = k % p == 0 && plan_parts(m, k, rows, elem, p, kWhole, plan);
   }
-  if (!ok && !norm && m > kSegRows) ok = plan_parts(m, k, rows, elem, kp, kDeferred, plan);
+  if (!ok && !norm && m > kSegRows)
+    ok = (!gated && plan_deferred_regs(k, elem, plan)) ||
+         plan_parts(m, k, rows, elem, kp, kDeferred, plan);
   return ok;
 }
 
@@ -807,12 +842,12 @@ int* next_queues(int* queues) {
 // measured apart: the SMs left free are where the next kernel's blocks start under PDL, and split tiles wait. A grid
 // capped below the SM count lost too (results/skinny/run9_ab/: 116 blocks 0.8B b=1 1161.8 -> 1152.0, 4B 357.2 -> 351.1;
 // 100 blocks 1119.7 / 350.6): the blocks' stream, not free SMs, is what the step waits for.
-template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, bool XREG = false>
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE, int XS = 0>
 void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
-  constexpr auto plain = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false, XREG>;
-  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true, XREG>;  // while the timeline stamps
+  constexpr auto plain = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, false, XS>;
+  constexpr auto stamped = skinny_kernel<T, MAXM, GATED, SEGS, QUEUE, true, XS>;  // while the timeline stamps
   const StampTarget stamp =
-      stamp_target(kSkinnyProduct, {a.m, a.k, a.n, (GATED ? 1 : 0) | (XREG ? 2 : 0), grid, a.parts * a.segs,
+      stamp_target(kSkinnyProduct, {a.m, a.k, a.n, (GATED ? 1 : 0) | (XS > 0 ? 2 : 0), grid, a.parts * a.segs,
                                     a.tiles});
   (stamp.buf ? allow_dynamic_smem<stamped> : allow_dynamic_smem<plain>)(kSmemBytes);
   a.stamps = stamp.buf;
@@ -840,6 +875,17 @@ bool x_in_registers(int k, int kp, int segs, bool norm, size_t elem, SkinnyPlan&
   return true;
 }
 
+// launch_grid, with x in registers where the plan holds deferred segments so (plan_deferred_regs)
+template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE>
+void launch_x(const SkinnyArgs<T>& a, const SkinnyPlan& plan, int grid) {
+  if constexpr (MAXM == kMaxRows && SEGS == kDeferred && !GATED) {
+    if (plan.xsteps == 8) return launch_grid<T, MAXM, GATED, SEGS, QUEUE, 8>(a, plan, grid);
+    if (plan.xsteps == 6) return launch_grid<T, MAXM, GATED, SEGS, QUEUE, 6>(a, plan, grid);
+  }
+  TORCH_CHECK(plan.xsteps == 0, "segki::skinny_linear: no instantiation holds x in ", plan.xsteps, " steps");
+  launch_grid<T, MAXM, GATED, SEGS, QUEUE>(a, plan, grid);
+}
+
 template <typename T, int MAXM, bool GATED, int SEGS = kWhole>
 void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
   constexpr auto kernel = skinny_kernel<T, MAXM, GATED, SEGS, false, false>;
@@ -860,16 +906,16 @@ void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
         if (x_in_registers(a.k, a.kp, a.segs, a.norm_w != nullptr, sizeof(T), regs)) {
           a.slots = regs.slots;
           a.x_pieces = false;
-          launch_grid<T, MAXM, GATED, SEGS, true, true>(a, regs, grid);
+          launch_grid<T, MAXM, GATED, SEGS, true, kRegSteps>(a, regs, grid);
           return;
         }
       }
-      a.x_pieces = a.norm_w == nullptr && a.parts >= 2 && a.kp * sizeof(T) >= kMinPieceBytes;  // a norm: stage_normed
-      launch_grid<T, MAXM, GATED, SEGS, true>(a, plan, grid);
+      a.x_pieces = plan.xsteps == 0 && a.norm_w == nullptr && a.parts >= 2 && a.kp * sizeof(T) >= kMinPieceBytes;
+      launch_x<T, MAXM, GATED, SEGS, true>(a, plan, grid);  // a norm: stage_normed
       return;
     }
   }
-  launch_grid<T, MAXM, GATED, SEGS, false>(a, plan, grid);
+  launch_x<T, MAXM, GATED, SEGS, false>(a, plan, grid);
 }
 
 // The instantiation for a.m rows: 1, 2, 3-4, 5-8 and 9-16 rows each have their own, holding only their staging
@@ -972,8 +1018,8 @@ at::Tensor skinny_product(const char* op, const at::Tensor& x, const at::Tensor&
   c10::cuda::CUDAGuard guard(x.device());
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, op, ": needs sm_90 (the copy engine)");
   SkinnyPlan plan;
-  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), norm_w.has_value(), plan), op, ": x ",
-              x.sizes(), " by weight ", w.sizes(), norm_w.has_value() ? " with a norm" : "",
+  TORCH_CHECK(skinny_plan((int)m, (int)k, (int)w.size(0), x.element_size(), norm_w.has_value(), gated, plan), op,
+              ": x ", x.sizes(), " by weight ", w.sizes(), norm_w.has_value() ? " with a norm" : "",
               " is outside this path (1-", kMaxRows, " rows, N a multiple of ", kTile, ", K with a part of 256-2048 "
               "columns, x (without a norm, a segment of K) and ", kMinSlots, " slots within ",
               kSmemBytes / 1024, " KB); use linear");

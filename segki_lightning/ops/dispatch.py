@@ -78,7 +78,9 @@ FOLD_ROWS = 2
 # columns: 0.8B b=16 +7.3 %, b=12 +8.0 %; the 4B o_proj / out_proj so lost, 4B b=16 -1.4 %,
 # benchmarks/results/short_parts/), and larger ones deferred segments: each group stores its sums, a second
 # launch adds them (the 4B o_proj, out_proj and down at 9-16 rows; 4B b=16 +3.7-4.0 %, b=12 +6 %, the output
-# projections' sums into the norm kernel after them +0.2-0.4 %, benchmarks/results/deferred_segments/).
+# projections' sums into the norm kernel after them +0.2-0.4 %, benchmarks/results/deferred_segments/); where K
+# has parts of 1536-2048 columns and the product is not gated, in those, x held in registers (4B b=16 +2.7 %,
+# b=12 +2.1 %, benchmarks/results/deferred_xregs/).
 # SEGKI_SKINNY=0: never (the GEMVs and cuBLAS, as before).
 SKINNY = os.environ.get("SEGKI_SKINNY")
 SKINNY_ROUTE_ROWS = 16
@@ -87,6 +89,7 @@ SKINNY_ROWS, SKINNY_TILE, SKINNY_PAD, SKINNY_SMEM_BYTES, SKINNY_MIN_SLOTS = 16, 
 SKINNY_SEGMENT_ROWS, SKINNY_MAX_SEG_TILES = 8, 4096   # rows up to which segments are gathered; tiles x segments
 SKINNY_MIN_PART_COLS = 512    # the shortest parts of K it plans where the longer ones do not fit (1 KB row copies)
 SKINNY_SHORT_PARTS_MAX_BYTES = 16 * 2**20   # weights up to which it plans them (the 0.8B down 7.3 MB, not 4B's 21)
+SKINNY_MAX_SLOTS, SKINNY_REG_SEG_COLS, SKINNY_REG_SEG_STEPS = 6, 2048, (6, 8)   # deferred segments, x in registers
 
 
 def skinny_part_cols(k: int) -> int:
@@ -102,14 +105,16 @@ def skinny_part_cols(k: int) -> int:
     return best
 
 
-def skinny_plan(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> tuple[int, int] | None:
+def skinny_plan(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False,
+                gated: bool = False) -> tuple[int, int] | None:
     """``(columns per part of K, segments of K)`` of the skinny product for x ``[rows, k]`` by a weight of
     ``weight_rows`` rows (csrc/skinny.cu: skinny_plan), or None where it does not take them: 1-16 rows, whole 16-row
     tiles, x and three slots of one part in its shared memory. The parts of :func:`skinny_part_cols`, at up to
     ``SKINNY_SEGMENT_ROWS`` rows without the norm prologue (``norm``: its sums need whole rows) in the fewest
     segments that fit; else, in one segment on weights of at most ``SKINNY_SHORT_PARTS_MAX_BYTES``, the longest
     smaller parts that fit, down to ``SKINNY_MIN_PART_COLS``; else, past ``SKINNY_SEGMENT_ROWS`` rows without the
-    norm, in deferred segments of one part of K each (their sums added by a second launch)."""
+    norm, in deferred segments of one part of K each (their sums added by a second launch): not ``gated``, the
+    longer parts of :func:`skinny_reg_segment_cols` with x in registers where K has them."""
     kp = skinny_part_cols(k)
     if not 1 <= rows <= SKINNY_ROWS or weight_rows % SKINNY_TILE or kp == 0:
         return None
@@ -123,8 +128,26 @@ def skinny_plan(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool 
                 return p, 1
     if norm or rows <= SKINNY_SEGMENT_ROWS:
         return None
+    reg_kp = 0 if gated else skinny_reg_segment_cols(k, elem_size)
+    if reg_kp:
+        return reg_kp, k // reg_kp
     segs = _skinny_fit(rows, k, weight_rows, elem_size, kp, "deferred")
     return (kp, segs) if segs else None
+
+
+def skinny_reg_segment_cols(k: int, elem_size: int) -> int:
+    """Columns of each deferred segment of K where the skinny product holds x in registers (csrc/skinny.cu:
+    plan_deferred_regs): the longest multiple of 256 up to 2048 that divides K in 6 or 8 steps of 256, with three
+    slots of it in shared memory and at least two segments; 0 where none, or under SEGKI_SKINNY_XSEG=0 (read on
+    every call, as the op reads it)."""
+    if os.environ.get("SEGKI_SKINNY_XSEG") == "0":
+        return 0
+    for kp in range(SKINNY_REG_SEG_COLS, 256 * min(SKINNY_REG_SEG_STEPS) - 1, -256):
+        if k % kp or kp // 256 not in SKINNY_REG_SEG_STEPS:
+            continue
+        slots = min(SKINNY_MAX_SLOTS, SKINNY_SMEM_BYTES // (SKINNY_TILE * (kp + SKINNY_PAD) * elem_size))
+        return kp if slots >= SKINNY_MIN_SLOTS and k // kp >= 2 else 0
+    return 0
 
 
 def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, segments: str) -> int:
@@ -142,10 +165,10 @@ def _skinny_fit(rows: int, k: int, weight_rows: int, elem_size: int, kp: int, se
     return 0
 
 
-def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False) -> bool:
+def skinny_fits(rows: int, k: int, weight_rows: int, elem_size: int, norm: bool = False, gated: bool = False) -> bool:
     """Whether the skinny product takes x ``[rows, k]`` by a weight of ``weight_rows`` rows (see
     :func:`skinny_plan`)."""
-    return skinny_plan(rows, k, weight_rows, elem_size, norm) is not None
+    return skinny_plan(rows, k, weight_rows, elem_size, norm, gated) is not None
 
 
 def _rows(x: Tensor) -> int:
@@ -168,7 +191,7 @@ def _skinny_ok(x: Tensor, w: Tensor | None, residual: Tensor | None = None, gate
         return False
     rows = _rows(x)
     ok = (w.dim() == 2 and w.is_contiguous() and w.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
-          and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size(), norm=norm_w is not None)
+          and skinny_fits(rows, x.shape[-1], w.shape[0], x.element_size(), norm=norm_w is not None, gated=gated)
           and (not gated or (w.shape[0] % 2 == 0 and residual is None))
           and (norm_w is None or (norm_w.shape == (x.shape[-1],) and norm_w.data_ptr() % 16 == 0))
           and torch.cuda.get_device_capability(x.device)[0] >= 9)

@@ -30,6 +30,9 @@ KERNEL_SWITCHES = {
     "SEGKI_SKINNY": (("0",), "0: the projections at 1-16 rows on the GEMVs and cuBLAS instead of the skinny product"),
     "SEGKI_SKINNY_XREG": (("0",), "0: the skinny product at 9-16 rows of K = 2560 keeps x in shared memory (default: "
                                   "in registers, the weight ring taking all of shared memory)"),
+    "SEGKI_SKINNY_XSEG": (("0",), "0: the skinny product's deferred segments of K (9-16 rows past shared memory) "
+                                  "in parts of 1024 columns with x in shared memory (default: 1536-2048 columns, x "
+                                  "in registers)"),
     "SEGKI_SKINNY_FILL": (tuple("0123456"), "weight units a skinny product block keeps in flight while its ring "
                                             "first fills, at every row count; 0: the whole ring at once (unset: 2 "
                                             "at 1-8 rows, the whole ring at 9-16)"),

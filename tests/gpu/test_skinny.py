@@ -24,7 +24,8 @@ def native():
 # name -> (weight rows, K, gated): the Qwen3.5-4B shapes that take it, 0.8B ones, small ones whose tiles split over
 # blocks at every part boundary (K = 2560: two parts; 200 tiles on ~132 blocks), few tiles of many parts, and
 # split tiles in segments of K (K = 9216 at 7-16 rows, as many_parts and 4b_down: three groups of blocks gathered at
-# 7-8 rows, nine deferred at 9-16; 08b_down two at 7-8; 4b_o_proj four at 13-16, deferred),
+# 7-8 rows, six deferred at 9-16 with x in registers, nine gated; 08b_down two at 7-8; 4b_o_proj two at 13-16,
+# deferred; xseg_8_steps three of 2048 columns at 9-16, x in registers),
 # split tiles in parts of 512 columns where the longer ones do not fit (K = 3584 at 9-16 rows, as 08b_down), and a
 # K wide enough for segments at 4 rows and fewer (K = 16384: two at 4-5 rows, four at 8), and at 9-16 rows tiles
 # dealt by a queue in three parts of K (x in two pieces; with a norm, in one); at 9-16 rows the 4B's K = 2560
@@ -38,7 +39,7 @@ SHAPES = {
     "split_short_parts": (16 * 140, 3584, False), "split_short_parts_gated": (16 * 140, 3584, True),
     "wide_k": (16 * 12, 16384, False), "wide_k_gated": (16 * 12, 16384, True),
     "queue_three_parts": (16 * 600, 3072, False), "queue_three_parts_gated": (16 * 600, 3072, True),
-    "4b_qkv": (10240, 2560, False),
+    "4b_qkv": (10240, 2560, False), "xseg_8_steps": (16 * 200, 6144, False),
 }
 ROWS = [1, 2, 3, 5, 8, 9, 16]
 
@@ -114,17 +115,20 @@ def test_one_row_is_bit_for_bit_the_first_row_of_two(shape, residual):
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
-@pytest.mark.parametrize("shape", ["4b_down", "split_segments", "split_segments_gated", "many_parts_gated"])
+@pytest.mark.parametrize("shape", ["4b_down", "split_segments", "split_segments_gated", "many_parts_gated",
+                                   "xseg_8_steps"])
 def test_deferred_segments_give_each_row_the_bits_it_gets_alone(shape, residual):
     """At 9-16 rows the segments of K (one part each) are summed by a second launch in segment order: the same groups,
     tiles and order at 12 rows as at 16 (at 9, x of all of K fits beside slots of 512 columns on the small weights),
-    so the first 12 rows of 16 are the bits of those 12 rows alone (the 4B down: nine segments; tiles split between
-    blocks, plain and gated), and the output is the sums of skinny_linear_sums added in order, rounded, plus the
-    residual."""
+    so the first 12 rows of 16 are the bits of those 12 rows alone (the 4B down: six segments of 1536 columns with x
+    in registers; gated, nine of 1024 with x in shared memory, tiles split between blocks), and the output is the
+    sums of skinny_linear_sums added in order, rounded, plus the residual."""
     n, k, gated = SHAPES[shape]
     if gated and residual:
         pytest.skip("the gated product takes no residual")
-    assert dispatch.skinny_plan(16, k, n, 2) == dispatch.skinny_plan(12, k, n, 2) == (1024, 9)
+    plan = dispatch.skinny_plan(16, k, n, 2, gated=gated)
+    assert plan == dispatch.skinny_plan(12, k, n, 2, gated=gated)
+    assert plan == {9216: (1024, 9) if gated else (1536, 6), 6144: (2048, 3)}[k]
     x, w = randn(16, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16, scale=k**-0.5)
     res = randn(16, n, dtype=torch.bfloat16) if residual else None
     poison((16, n // 2 if gated else n), dtype=torch.bfloat16)
@@ -144,7 +148,8 @@ def test_deferred_segments_give_each_row_the_bits_it_gets_alone(shape, residual)
                                    "queue_three_parts_gated"])
 def test_tile_queues_come_back_to_zero_over_many_launches(shape, rows):
     """Where segments of K are not gathered and a block's group has at least four tiles a block (these shapes at 9-16
-    rows: whole K in two and three parts, x in two pieces, deferred segments plain and gated; at 1 and 8 rows the 4B
+    rows: whole K in two and three parts, x in two pieces, deferred segments gated; the 4B o_proj's two deferred
+    segments with x in registers, not queued, run the same checks; at 1 and 8 rows the 4B
     GDN input and gate|up), the tiles are dealt by a counter that the launch's last draw sets back to zero, each
     launch taking the next counters of a ring of 64 launches: 200 launches back to back (three turns of the ring, each
     starting under PDL beside the one before) and a graph replayed 70 times on the same counters each give the first
@@ -476,7 +481,7 @@ def test_a_paced_first_fill_gives_the_bits_of_the_whole_ring_at_once(shape, rows
 
 
 def test_stamping_deferred_segments_records_the_product_and_its_sum_kernel():
-    """At 16 rows in deferred segments of K (the 4B down: nine), the stamped launches are the product (kind 0) and
+    """At 16 rows in deferred segments of K (the 4B down: six), the stamped launches are the product (kind 0) and
     its segments' sum kernel (kind 4: rows, output columns, gated, grid, segments), every block of both writing one
     record with the SM clock in phase order; the output is the plain launches' bits."""
     n, k, _ = SHAPES["4b_down"]
