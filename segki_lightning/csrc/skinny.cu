@@ -110,7 +110,7 @@ enum SegMode : int { kWhole = 0, kGathered = 1, kDeferred = 2 };
 
 struct SkinnyPlan {
   int kp = 0, parts = 0, segs = 0, slots = 0;
-  int xsteps = 0;  // deferred segments with x in registers (plan_deferred_regs): kp / 256, else 0
+  bool xreg = false;  // deferred segments with x in registers (plan_deferred_regs), kp / 256 steps a part
   long smem = 0;
   SegMode mode = kWhole;
 };
@@ -733,6 +733,17 @@ bool plan_parts(int m, int k, int rows, size_t elem, int kp, SegMode segments, S
   return false;
 }
 
+// With x in registers, the ring in all of the dynamic shared memory: the slots of kp columns that fit there (at most
+// kMaxSlots) and their bytes into `plan`; false where fewer than kMinSlots fit.
+bool ring_fills_smem(int kp, size_t elem, SkinnyPlan& plan) {
+  const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
+  const long slots = std::min<long>(kMaxSlots, kSmemBytes / slot_bytes);
+  if (slots < kMinSlots) return false;
+  plan.slots = (int)slots;
+  plan.smem = slots * slot_bytes;
+  return true;
+}
+
 // Deferred segments with x in registers (9-16 rows, no norm, not gated): each segment one part of kp columns, the
 // longest multiple of 256 up to kRegSegCols that divides K and that an instantiation holds (6 or 8 steps of 256),
 // the ring taking all of shared memory. Against the plain deferred segments (parts of 1024 columns: 2 KB copies,
@@ -747,16 +758,12 @@ bool plan_deferred_regs(int k, size_t elem, SkinnyPlan& plan) {
   for (int kp = kRegSegCols; kp >= 6 * kWarps * 32; kp -= kWarps * 32) {
     const int steps = kp / (kWarps * 32);
     if (k % kp != 0 || (steps != 6 && steps != 8)) continue;
-    const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
-    const long slots = std::min<long>(kMaxSlots, kSmemBytes / slot_bytes);
-    if (slots < kMinSlots || k / kp < 2) return false;
+    if (k / kp < 2 || !ring_fills_smem(kp, elem, plan)) return false;
     plan.kp = kp;
     plan.parts = 1;
     plan.segs = k / kp;
-    plan.slots = (int)slots;
-    plan.smem = slots * slot_bytes;
     plan.mode = kDeferred;
-    plan.xsteps = steps;
+    plan.xreg = true;
     return true;
   }
   return false;
@@ -869,20 +876,28 @@ void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
 bool x_in_registers(int k, int kp, int segs, bool norm, size_t elem, SkinnyPlan& regs) {
   if (norm || segs != 1 || kp != kRegSteps * kWarps * 32 || k != kRegParts * kp || env_is("SEGKI_SKINNY_XREG", "0"))
     return false;
-  const long slot_bytes = (long)kTile * (kp + kPad) * (long)elem;
-  regs.slots = (int)std::min<long>(kMaxSlots, kSmemBytes / slot_bytes);
-  regs.smem = regs.slots * slot_bytes;
-  return true;
+  return ring_fills_smem(kp, elem, regs);
 }
 
-// launch_grid, with x in registers where the plan holds deferred segments so (plan_deferred_regs)
+// launch_grid, with x in registers where it goes there: all of K in a queued 9-16 row launch (x_in_registers), or
+// deferred segments the plan holds so (plan_deferred_regs). There x comes in no pieces.
 template <typename T, int MAXM, bool GATED, int SEGS, bool QUEUE>
-void launch_x(const SkinnyArgs<T>& a, const SkinnyPlan& plan, int grid) {
-  if constexpr (MAXM == kMaxRows && SEGS == kDeferred && !GATED) {
-    if (plan.xsteps == 8) return launch_grid<T, MAXM, GATED, SEGS, QUEUE, 8>(a, plan, grid);
-    if (plan.xsteps == 6) return launch_grid<T, MAXM, GATED, SEGS, QUEUE, 6>(a, plan, grid);
+void launch_x(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
+  if constexpr (MAXM == kMaxRows && SEGS == kWhole && QUEUE) {
+    SkinnyPlan regs = plan;
+    if (x_in_registers(a.k, a.kp, a.segs, a.norm_w != nullptr, sizeof(T), regs)) {
+      a.slots = regs.slots;
+      a.x_pieces = false;
+      return launch_grid<T, MAXM, GATED, SEGS, QUEUE, kRegSteps>(a, regs, grid);
+    }
   }
-  TORCH_CHECK(plan.xsteps == 0, "segki::skinny_linear: no instantiation holds x in ", plan.xsteps, " steps");
+  if constexpr (MAXM == kMaxRows && SEGS == kDeferred && !GATED) {
+    a.x_pieces = a.x_pieces && !plan.xreg;
+    const int steps = plan.kp / (kWarps * 32);
+    if (plan.xreg && steps == 8) return launch_grid<T, MAXM, GATED, SEGS, QUEUE, 8>(a, plan, grid);
+    if (plan.xreg && steps == 6) return launch_grid<T, MAXM, GATED, SEGS, QUEUE, 6>(a, plan, grid);
+  }
+  TORCH_CHECK(!plan.xreg, "segki::skinny_linear: no instantiation holds x in ", plan.kp / (kWarps * 32), " steps");
   launch_grid<T, MAXM, GATED, SEGS, QUEUE>(a, plan, grid);
 }
 
@@ -901,17 +916,8 @@ void launch(SkinnyArgs<T> a, const SkinnyPlan& plan) {
       TORCH_CHECK(a.segs <= kQueueStride, "segki::skinny_linear: ", a.segs, " segments of K, past the ", kQueueStride,
                   " the tile queues have room for");
       a.queue = next_queues(a.queue);
-      if constexpr (MAXM == kMaxRows && SEGS == kWhole) {
-        SkinnyPlan regs = plan;
-        if (x_in_registers(a.k, a.kp, a.segs, a.norm_w != nullptr, sizeof(T), regs)) {
-          a.slots = regs.slots;
-          a.x_pieces = false;
-          launch_grid<T, MAXM, GATED, SEGS, true, kRegSteps>(a, regs, grid);
-          return;
-        }
-      }
-      a.x_pieces = plan.xsteps == 0 && a.norm_w == nullptr && a.parts >= 2 && a.kp * sizeof(T) >= kMinPieceBytes;
-      launch_x<T, MAXM, GATED, SEGS, true>(a, plan, grid);  // a norm: stage_normed
+      a.x_pieces = a.norm_w == nullptr && a.parts >= 2 && a.kp * sizeof(T) >= kMinPieceBytes;  // a norm: stage_normed
+      launch_x<T, MAXM, GATED, SEGS, true>(a, plan, grid);
       return;
     }
   }
