@@ -11,12 +11,17 @@ case, setting of the two switches and number of GPUs (DDP). Each run is
     python benchmarks/grpo_gpu.py --out DIR --cases 0.8b:4x256 --runs segki --overrides algo.num_iterations=2 \
         'rewards=[bench_rewards.even_token_fraction]' algo.reward_weights=null algo.learning_rate=1e-5
 
-A case is ``SHAPE:PROMPTSxTOKENS[:mbROWS][:ckpt]``: prompts per step and rank (x8 completions), completion
-tokens, ``algo.micro_batch_size`` and ``model.gradient_checkpointing=true``. ``segki`` is
+A case is ``SHAPE:PROMPTSxTOKENS[:mbROWS][:tokN][:ckpt][:mixed][:pad]``: prompts per step and rank (x8
+completions), completion tokens, ``algo.micro_batch_size``, ``algo.micro_batch_tokens=N``,
+``model.gradient_checkpointing=true``, completions cut at lengths drawn between 10 % and 100 % of the maximum
+(``module=bench_modules.MixedLengthGRPO``: random weights never stop by themselves) and ``algo.padding_free=false``
+(rows padded instead of packed). ``segki`` is
 ``rollout.use_segki=true rollout.graph_capture=true``; ``off`` is both false (the model's plain forward,
-eager). The first ``--warm`` steps (extension load, graph capture) are left out of the medians. MFU counts
-``6 x parameters x trained tokens`` (prompt + completion) over the step time minus the rollout, per GPU,
-against 989 TFLOP/s (dense bf16).
+eager). The first ``--warm`` steps (extension load, graph capture) are left out of the medians. ``mfu_train``
+counts ``6 x parameters x trained tokens`` (prompt + completion) over the step time minus the rollout, per GPU,
+against 989 TFLOP/s (dense bf16); ``mfu`` the run's own ``time/train_tflops`` (model FLOPs on real tokens with the
+attention and Gated-DeltaNet products counted, ``segki_lightning/rl/flops.py``) against the same peak. The step's
+parts: ``update_s`` (micro-batches' forward and backward, optimizer step), ``old_logprob_s``, ``reference_s``.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from segki_lightning.rollout import RolloutStats  # noqa: E402
 SWITCHES = {"segki": "true", "off": "false"}
 PEAK_FLOPS = 989e12
 PROMPT_TOKENS = 4   # the synthetic task's "a+b="
+STEP_PARTS = ("update", "old_logprob", "reference")   # time/<part>_s of the training part
 
 
 @dataclass(frozen=True)
@@ -52,18 +58,23 @@ class Case:
     tokens: int
     micro_batch: int | None = None
     checkpointing: bool = False
+    micro_tokens: int | None = None
+    mixed: bool = False
+    padded: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Case":
         shape, size, *opts = text.split(":")
         prompts, tokens = (int(x) for x in size.split("x"))
         mb = next((int(o[2:]) for o in opts if o.startswith("mb")), None)
-        return cls(shape, prompts, tokens, mb, "ckpt" in opts)
+        tok = next((int(o[3:]) for o in opts if o.startswith("tok")), None)
+        return cls(shape, prompts, tokens, mb, "ckpt" in opts, tok, "mixed" in opts, "pad" in opts)
 
     @property
     def name(self) -> str:
         return f"{self.shape}_{self.prompts}x{self.tokens}" + (f"_mb{self.micro_batch}" if self.micro_batch else "") + \
-            ("_ckpt" if self.checkpointing else "")
+            (f"_tok{self.micro_tokens}" if self.micro_tokens else "") + ("_ckpt" if self.checkpointing else "") + \
+            ("_mixed" if self.mixed else "") + ("_pad" if self.padded else "")
 
 
 def write_checkpoint(shape: str, folder: Path) -> int:
@@ -103,6 +114,12 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
         cmd.append(f"algo.micro_batch_size={case.micro_batch}")
     if case.checkpointing:
         cmd.append("model.gradient_checkpointing=true")
+    if case.micro_tokens:
+        cmd.append(f"algo.micro_batch_tokens={case.micro_tokens}")
+    if case.mixed:
+        cmd.append("module=bench_modules.MixedLengthGRPO")
+    if case.padded:
+        cmd.append("algo.padding_free=false")
     cmd.extend(args.overrides)
     t0 = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
@@ -167,6 +184,8 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
                slowest_step_s=round(max(float(r["time/step_s"]) for r in keep), 3),
                **{f"{part}_s": round(med(f"time/rollout_{part}_s"), 4) for part in RolloutStats.PARTS},
                train_s=round(step - rollout, 3), rollout_share=round(rollout / step, 3),
+               **{f"{part}_s": round(med(f"time/{part}_s"), 3) for part in STEP_PARTS},
+               mfu=round(med("time/train_tflops") * 1e12 / PEAK_FLOPS, 3),
                rollout_tok_s=round(med("rollout/tokens_per_s"), 1), train_tok_s=round(train_tok_s, 1),
                mfu_train=round(6 * params * train_tok_s / devices / PEAK_FLOPS, 3),
                peak_gib=round(max(float(r.get("memory/peak_gib") or "nan") for r in rows), 1),
@@ -235,7 +254,7 @@ def main() -> None:
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
             "rollout_s", *(f"{part}_s" for part in RolloutStats.PARTS), "train_s",
-            "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "tok_s_vs_off", "tok_s_vs_1gpu",
+            *(f"{part}_s" for part in STEP_PARTS), "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "mfu", "tok_s_vs_off", "tok_s_vs_1gpu",
             "weights_identical", "first_step_s", "completion_len", "clip_ratio_max", "logprob_diff_mean",
             "logprob_diff_max", "kl_sampler_trainer", "error"]
     write_results(args.out, "grpo_gpu", rows, cols, header)

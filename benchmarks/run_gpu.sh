@@ -27,6 +27,8 @@
 #           (gdn/ncu.csv/md) and decode at 8, 16 and 32 rows (gdn/decode.json/md)
 #   prefill benchmarks/decode.py, ours at 1 and 32 rows of one 128-token prompt: its prefill_s is the bucketed
 #           prefill replayed as a CUDA graph (prefill/decode.json/md)
+#   gdntrain the Gated-DeltaNet training path: its GPU tests, then benchmarks/gdn_train.py (one layer's forward +
+#           backward per implementation at the 0.8B and 4B shapes; gdn_train/)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -120,6 +122,9 @@ for stage in "${stages[@]}"; do
                --no-graph-only > "$out/prefill.log" 2>&1 || tail -5 "$out/prefill.log"
              python3 -c "import json, sys; [print(r['model'], r['batch'], r['mode'], 'prefill_s', r['prefill_s'])
                          for r in json.load(open(sys.argv[1])) if 'prefill_s' in r]" "$out/prefill/decode.json" ;;
+    gdntrain) python3 -m pytest -q tests/gpu/test_gdn_training_gpu.py -p no:cacheprovider 2>&1 \
+               | tee "$out/gdn_train_tests.log" | tail -3
+             python3 benchmarks/gdn_train.py --out "$out/gdn_train" > "$out/gdn_train.log" 2>&1; tail -12 "$out/gdn_train.log" ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;

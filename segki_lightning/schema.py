@@ -70,6 +70,7 @@ class Recipe:
     """Fields every recipe has; ``algorithm`` picks the LightningModule."""
 
     algorithm: str = "grpo"
+    module: str | None = None       # dotted path of a subclass of the algorithm's LightningModule to train instead
     model: ModelConf = field(default_factory=ModelConf)
     rollout: RolloutConf = field(default_factory=RolloutConf)
     task: TaskConf = field(default_factory=TaskConf)

@@ -170,6 +170,7 @@ def run(cfg) -> dict:
     if cfg.algorithm not in algorithms:
         raise ValueError(f"algorithm must be one of {sorted(algorithms)}, got {cfg.algorithm!r}")
     conf_cls, module_cls = algorithms[cfg.algorithm]
+    module_cls = module_class(cfg.module, module_cls)
     algo = conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True))
     module = module_cls(policy, tokenizer, rewards, algo)
     root = cfg.trainer.default_root_dir
@@ -187,6 +188,23 @@ def run(cfg) -> dict:
     if cfg.export_dir:
         export(module, cfg.export_dir)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def module_class(path: str | None, base: type) -> type:
+    """The LightningModule class to train: ``base``, or the subclass of it at the dotted ``path`` (``module=...``:
+    your own rollouts, logging or losses on top of the algorithm's)."""
+    if not path:
+        return base
+    from hydra.utils import get_class
+
+    try:
+        cls = get_class(path)
+    except Exception as err:
+        raise ValueError(f"module={path} could not be imported ({err}); give the dotted path of a class importable "
+                         "from the working directory or PYTHONPATH") from None
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(f"module={path} must be a subclass of {base.__name__} (the algorithm's module)")
+    return cls
 
 
 def use_strategy(trainer_kw: dict) -> None:

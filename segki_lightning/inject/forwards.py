@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
-from ..ops import reference
-from .gdn_training import fla_backward_ok
+from ..ops import reference, varlen
 
 SPEC = "_segki_spec"
 
@@ -135,9 +134,41 @@ class AttentionSpec:
 
 def attention_forward(self: nn.Module, *args: Any, **kwargs: Any):
     """The module's own signature (bound against the original forward): a one-token step on the engine's
-    cache runs the fused decode; everything else (prefill, training, transformers caches) the original."""
-    step = _attention_decode_call(self, args, kwargs)
+    cache runs the fused decode; packed rows (``cu_seq_lens_q``, no cache) varlen attention; everything else
+    (prefill, padded training, transformers caches) the original."""
+    step = _attention_decode_call(self, args, kwargs) or _attention_packed_call(self, args, kwargs)
     return (step(), None) if step is not None else spec(self).original_forward(*args, **kwargs)
+
+
+def _attention_packed_call(self: nn.Module, args: tuple, kwargs: dict) -> functools.partial | None:
+    """The packed-rows forward of this call, ready to run, when it brings ``cu_seq_lens_q`` and rotary tables and
+    no cache; else None."""
+    s: AttentionSpec = spec(self)
+    x, cache, rope_tables = s.inputs(args, kwargs)
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or cache is not None or rope_tables is None or x.shape[0] != 1:
+        return None
+    max_len = kwargs.get("max_length_q") or int((cu[1:] - cu[:-1]).max())
+    return functools.partial(_attention_packed, self, s, x, rope_tables, cu, int(max_len))
+
+
+def _attention_packed(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables: tuple[Tensor, Tensor], cu: Tensor,
+                      max_len: int) -> Tensor:
+    """Rows packed end to end, ``x [1, M, H]`` -> ``[1, M, H]``: the block's own projections and q/k norms, the
+    rotary tables at each token's position in its row, causal attention within each row (``cu [R + 1]``), the
+    output gate of gated attention, the output projection."""
+    h, m, d = x[0], x.shape[1], s.head_dim                                                     # h [M, H]
+    q = self.q_proj(h)                                                                        # [M, Hq*D(*2)]
+    q, gate = q.view(m, -1, 2 * d).chunk(2, dim=-1) if s.gated else (q.view(m, -1, d), None)  # [M, Hq, D] x2
+    k, v = self.k_proj(h).view(m, -1, d), self.v_proj(h).view(m, -1, d)                        # [M, Hkv, D]
+    if s.norm is not None:
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = (t[0] for t in rope_tables)                                                     # [M, R]
+    q, k = reference.rope(q, cos, sin), reference.rope(k, cos, sin)
+    out = varlen.varlen_attention(q, k, v, cu, max_len, s.scaling)                            # [M, Hq, D]
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return self.o_proj(out.reshape(m, -1))[None]
 
 
 def _attention_decode_call(self: nn.Module, args: tuple, kwargs: dict) -> functools.partial | None:
@@ -183,23 +214,6 @@ class GDNSpec:
     original_forward: Any  # the forward used for caches this package does not own
 
 
-def _delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
-    """Whole-sequence gated delta rule from a zero state: flash-linear-attention's chunked kernel on CUDA
-    when it is installed (and, when gradients are needed, its backward works with this Triton), else the
-    chunked torch reference. ``[B, T, H*, D*]`` -> ``[B, T, Hv, Dv]``."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
-    if q.is_cuda and (not needs_grad or fla_backward_ok()):
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        except ImportError:
-            pass
-        else:
-            out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None,
-                                            output_final_state=False, use_qk_l2norm_in_kernel=True)
-            return out
-    return reference.gdn_chunked(q, k, v, g, beta)
-
-
 def _gdn_in_proj(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """qkv, z, b, a of a Gated-DeltaNet block from its four projection weights."""
     return ops.gdn_in_proj(x, self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
@@ -208,6 +222,9 @@ def _gdn_in_proj(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Te
 
 def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
                 **kwargs: Any) -> Tensor:
+    """The module's forward: a one-token step on the engine's cache runs the fused decode; a transformers cache the
+    original forward; anything else the whole-sequence rule from a zero state, over packed rows when the call
+    brings ``cu_seq_lens_q`` (flash-attention's keyword, which transformers passes to every layer)."""
     s: GDNSpec = spec(self)
     cache = kwargs.pop("cache_params", cache)
     step = _gdn_decode_call(self, hidden_states, cache)
@@ -215,22 +232,20 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
         return step()
     if cache is not None:  # a transformers cache: its bookkeeping is the model's own code's business
         return s.original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    cu = kwargs.get("cu_seq_lens_q")
     x = hidden_states
     if attention_mask is not None and attention_mask.ndim == 2:  # zero padded positions (2-D padding mask)
         x = (x * attention_mask[:, :, None]).to(x.dtype)
     bsz, t, _ = x.shape
     qkv, z, b, a = _gdn_in_proj(self, x)
-    conv = self.conv1d
-    mixed = F.conv1d(qkv.transpose(1, 2).to(conv.weight.dtype), conv.weight, conv.bias,
-                     padding=conv.weight.shape[-1] - 1, groups=qkv.shape[-1])[..., :t]      # [B, C, T]
-    mixed = F.silu(mixed).to(x.dtype).transpose(1, 2)                                       # [B, T, C]
+    mixed = varlen.causal_conv_silu(qkv, self.conv1d.weight, self.conv1d.bias, cu)          # [B, T, C]
     key_dim = s.num_k_heads * s.head_k_dim
     q, k, v = mixed.split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
     q = q.reshape(bsz, t, s.num_k_heads, s.head_k_dim)
     k = k.reshape(bsz, t, s.num_k_heads, s.head_k_dim)
     v = v.reshape(bsz, t, s.num_v_heads, s.head_v_dim)
     g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
-    core = _delta_rule(q, k, v, g, beta)                                                    # [B, T, Hv, Dv]
+    core = varlen.gdn_chunk(q, k, v, g, beta, cu)                                          # [B, T, Hv, Dv]
     core = ops.gated_rms_norm(core, z.view(bsz, t, s.num_v_heads, s.head_v_dim), self.norm.weight, s.norm_eps)
     return ops.linear(core.reshape(bsz, t, -1), self.out_proj.weight)
 

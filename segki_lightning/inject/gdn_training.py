@@ -1,11 +1,13 @@
-"""Gated-DeltaNet training where flash-linear-attention's backward refuses the installed Triton.
+"""The model's own Gated-DeltaNet layers where flash-linear-attention cannot train them.
 
-flash-linear-attention raises in its gated chunk backward on Hopper with Triton in [3.4, 3.7.1) (wrong
-results otherwise). Our injected GDN forward then trains on transformers' chunked torch rule; the model's
-OWN forward (switches off) would still call fla. :func:`guard_transformers_gdn` routes transformers' GDN
-chunk rule to its torch form whenever gradients are being recorded there, and leaves fla's forward for
-everything else (prefill, no-grad passes). It patches the loaded ``transformers.models.*`` modules that
-define ``torch_chunk_gated_delta_rule`` and returns the function that undoes it."""
+flash-linear-attention raises in its gated chunk backward on Hopper with Triton in [3.4, 3.7.1) (wrong results
+otherwise); :func:`segki_lightning.ops.gdn_chunk.training_path` supplies that kernel there, so fla trains after
+all. Where even that is not possible (an fla without its backend registry, ``FLA_DISABLE_BACKEND_DISPATCH=1``),
+our injected GDN forward trains on transformers' chunked torch rule, but the model's OWN forward (switches off)
+would still call fla. :func:`guard_transformers_gdn` then routes transformers' GDN chunk rule to its torch form
+whenever gradients are being recorded there, and leaves fla's forward for everything else (prefill, no-grad
+passes). It patches the loaded ``transformers.models.*`` modules that define ``torch_chunk_gated_delta_rule`` and
+returns the function that undoes it."""
 from __future__ import annotations
 
 import functools
@@ -22,12 +24,13 @@ RULE = "torch_chunk_gated_delta_rule"
 
 
 def fla_backward_ok() -> bool:
-    """False where flash-linear-attention refuses its gated chunk backward: Hopper with Triton in [3.4, 3.7.1)."""
-    try:
-        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
-    except ImportError:
+    """False where flash-linear-attention is installed but its gated chunk backward cannot train here (see
+    :func:`segki_lightning.ops.gdn_chunk.training_path`)."""
+    if importlib.util.find_spec("fla") is None or not torch.cuda.is_available():
         return True
-    return not (IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1)
+    from ..ops.gdn_chunk import TORCH, training_path
+
+    return training_path() != TORCH
 
 
 def _needs_grad(args: tuple, kwargs: dict) -> bool:
@@ -44,8 +47,8 @@ def _guarded(rule: Callable) -> Callable:
         if not _needs_grad(args, kwargs):
             return rule(*args, **kwargs)
         if kwargs.get("cu_seqlens") is not None:
-            raise RuntimeError("packed sequences (cu_seqlens) need flash-linear-attention's backward, which refuses "
-                               "this Triton on Hopper: upgrade Triton to >= 3.7.1 or train unpacked batches")
+            raise RuntimeError("packed sequences (cu_seqlens) need flash-linear-attention's backward, which cannot "
+                               "train on this Triton here: upgrade Triton to >= 3.7.1 or set algo.padding_free=false")
         return torch_rule(*args, **kwargs)
 
     guarded.__segki_guard__ = True
@@ -55,7 +58,7 @@ def _guarded(rule: Callable) -> Callable:
 def guard_transformers_gdn(force: bool = False) -> Callable[[], None]:
     """Install the guard when flash-linear-attention is installed and its backward would refuse (or
     ``force``); returns the undo function (a no-op when nothing was patched)."""
-    if not force and (importlib.util.find_spec("fla") is None or fla_backward_ok()):
+    if not force and fla_backward_ok():
         return lambda: None
     patched = []
     for name, module in list(sys.modules.items()):
@@ -64,7 +67,7 @@ def guard_transformers_gdn(force: bool = False) -> Callable[[], None]:
             setattr(module, RULE, _guarded(rule))
             patched.append((module, rule))
     if patched:
-        log.info("segki: flash-linear-attention's GDN backward refuses this Triton; the model's own GDN layers "
+        log.info("segki: flash-linear-attention's GDN backward cannot train here; the model's own GDN layers "
                  "train on transformers' chunked torch rule (%d modules)", len(patched))
 
     def undo() -> None:

@@ -6,10 +6,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 from typing_extensions import override
 
-from ..inject import remove_segment_ki
+from ..inject import apply_segment_ki, remove_segment_ki
 from ..inject.gdn_training import guard_transformers_gdn
+from ..ops.gdn_chunk import training_path
 from ..rollout import RolloutEngine
 from .fsdp import GatheredWeights, is_model_parallel, is_sharded
 
@@ -21,8 +23,9 @@ class SegKICallback(pl.Callback):
 
     Injection happens in ``on_fit_start``, after Lightning has moved the module to its device and applied
     the precision plugin (``setup`` runs before both). ``teardown`` removes the injection and frees the
-    graphs and cache. Where flash-linear-attention's GDN backward refuses the installed Triton, the model's
-    own GDN layers train on transformers' torch rule for the fit (also with ``use_segki=False``). Under FSDP
+    graphs and cache. On CUDA the Gated-DeltaNet training path is logged once (flash-linear-attention's kernels,
+    with the one backward kernel it refuses on Hopper under Triton < 3.7.1 supplied by segki; transformers' torch
+    rule where fla cannot train, then also for the model's own GDN layers with ``use_segki=False``). Under FSDP
     (``ModelParallelStrategy``) every rollout runs on full weights gathered once before it (see
     :mod:`segki_lightning.lightning.fsdp`).
 
@@ -74,6 +77,8 @@ class SegKICallback(pl.Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         policy = getattr(pl_module, self.policy_attr)
+        if pl_module.device.type == "cuda":
+            training_path()   # chooses (and logs) how Gated-DeltaNet layers train
         self._unguard = guard_transformers_gdn()   # the model's own GDN layers, where fla cannot train
         if is_sharded(policy):   # injection and its probe need the full weights
             dtype = getattr(pl_module, "compute_dtype", None) or next(policy.parameters()).dtype
@@ -83,6 +88,9 @@ class SegKICallback(pl.Callback):
                                          use_segki=self.use_segki, graph_capture=self.graph_capture,
                                          eos_token_id=getattr(pl_module, "eos_token_id", None),
                                          pad_token_id=getattr(pl_module, "pad_token_id", None))
+        reference = getattr(pl_module, "reference", None)
+        if self.use_segki and isinstance(reference, nn.Module) and not is_sharded(reference):
+            apply_segment_ki(reference)   # its scoring passes take the same fused, packed forward as the policy's
         pl_module.__dict__["_segki_callback"] = self
         rank_zero_info(f"segki: rollout path {self._engine.path}")
         if self._engine.report is not None:
@@ -109,8 +117,9 @@ class SegKICallback(pl.Callback):
         if self._gathered is not None:
             self._gathered.free()
             self._gathered = None
-        if hasattr(pl_module, self.policy_attr):
-            remove_segment_ki(getattr(pl_module, self.policy_attr))
+        for name in (self.policy_attr, "reference"):
+            if isinstance(getattr(pl_module, name, None), nn.Module):
+                remove_segment_ki(getattr(pl_module, name))
         pl_module.__dict__.pop("_segki_callback", None)
 
     @override

@@ -2,6 +2,7 @@
 (fp32 master weights for half-precision models), micro-batched steps, step timing and logging."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import dataclass
@@ -12,13 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..inject import is_injected
 from ..lightning import SegKIRolloutMixin
 from ..lightning.fsdp import is_model_parallel, is_sharded, reshard, shard_frozen, shard_policy, whole
 from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, RolloutStats, SamplingConfig
 from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
-from .logprobs import TokenScores, completion_logprobs
+from .flops import FlopShape, peak_flops
+from .logprobs import TokenScores, completion_logprobs, packs
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
@@ -51,6 +54,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._step_started = 0.0
         self._last_rollout_s = 0.0
         self._last_train_tokens = 0
+        self._times: dict[str, float] = {}        # this step's parts (time/<part>_s), see _timed
+        self._step_flops = 0.0                    # model FLOPs of this step's training passes (see .flops)
+        self._flop_shape: FlopShape | None = None
         self._buffer: RolloutBuffer | None = None
         self.reference: nn.Module | None = None   # the frozen KL reference (see keep_reference)
 
@@ -71,6 +77,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """One optimizer step: a new rollout when the buffer is used up (the batch is ignored otherwise: the
         recipe's loader repeats each batch for the steps of one rollout), then the next rows, micro-batched."""
         self._last_rollout_s = 0.0
+        self._times, self._step_flops = {}, 0.0
         if not self._buffer:
             check_batch(batch)
             self._buffer = self.prepare(batch)
@@ -82,7 +89,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         totals = Totals.of(mask)
         ro = buf.scored.batch
         self._last_train_tokens = int(ro.prompt_mask[rows].sum() + ro.completion_mask[rows].sum())
-        loss, total, stats = self.accumulate(rows, lambda r: self.step_loss(buf, r, totals))
+        self._times["update"] = -self._now()   # completed in on_train_batch_end, after the optimizer step
+        self._count_flops(ro, rows)
+        loss, total, stats = self.accumulate(ro, rows, lambda r: self.step_loss(buf, r, totals))
         self.log_step(total, stats, len(batch["prompt"]))
         return loss
 
@@ -102,15 +111,57 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """Token scores of every row under ``model`` without gradients, in micro-batches (old and reference
         log-probs, entropies, values)."""
         rows = torch.arange(len(ro), device=ro.completion_ids.device)
-        parts = [self.scores(model, ro, r, value_head) for r in micro_batches(rows, self.cfg.micro_batch_size)]
+        parts = [self.scores(model, ro, r, value_head) for r in self.micro_batches(model, ro, rows)]
+        self._count_flops(ro, rows, passes=1 / 3)   # a forward
         return TokenScores(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
 
+    def old_scores(self, ro: RolloutBatch, value_head: nn.Module | None = None) -> TokenScores:
+        """:meth:`score_all` of the policy as it rolled out (the old log-probs), timed as ``time/old_logprob_s``."""
+        with self._timed("old_logprob"):
+            return self.score_all(self.policy, ro, value_head)
+
     def reference_logp(self, ro: RolloutBatch) -> Tensor:
-        """``[N, T]`` log-probs of every row under the frozen KL reference. Under FSDP its gathered root weights
-        (embeddings, head) are released afterwards: no backward ever does it for a frozen model."""
-        logp = self.score_all(self.reference, ro).logp
-        reshard(self.reference)
+        """``[N, T]`` log-probs of every row under the frozen KL reference (``time/reference_s``). Under FSDP its
+        gathered root weights (embeddings, head) are released afterwards: no backward ever does it for a frozen
+        model."""
+        with self._timed("reference"):
+            logp = self.score_all(self.reference, ro).logp
+            reshard(self.reference)
         return logp
+
+    def micro_batches(self, model: nn.Module, ro: RolloutBatch, rows: Tensor) -> list[Tensor]:
+        """Pieces of ``rows`` of at most ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens (real tokens
+        when ``model`` runs them packed, rows x the longest otherwise)."""
+        c = self.cfg
+        lengths = ro.prompt_mask[rows].sum(1) + ro.completion_mask[rows].sum(1) if c.micro_batch_tokens else None
+        return micro_batches(rows, c.micro_batch_size, c.micro_batch_tokens, lengths, self.packed(model))
+
+    def packed(self, model: nn.Module) -> bool:
+        """Whether training passes of ``model`` run their rows packed (``padding_free`` and a forward that takes
+        packed rows, see :func:`~segki_lightning.rl.logprobs.packs`)."""
+        return bool(self.cfg.padding_free) and packs(model, is_injected(model))
+
+    def _count_flops(self, ro: RolloutBatch, rows: Tensor, passes: float = 1.0) -> None:
+        """Add the model FLOPs of a training pass (``passes=1/3``: a forward alone) over ``rows`` to this step's."""
+        if self._flop_shape is None:
+            self._flop_shape = FlopShape.of(self.policy)
+        lengths = (ro.prompt_mask[rows].sum(1) + ro.completion_mask[rows].sum(1)).tolist()
+        self._step_flops += passes * self._flop_shape.training(lengths, int(ro.completion_mask[rows].sum()))
+
+    def _now(self) -> float:
+        """A wall clock that has waited for this device's queue."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def _timed(self, part: str):
+        """Add the wall time of the block (the device's queue drained at both ends) to ``time/<part>_s``."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            self._times[part] = self._times.get(part, 0.0) + self._now() - start
 
     def corrected(self, trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, totals: Totals
                   ) -> tuple[Tensor | None, dict[str, Tensor]]:
@@ -199,13 +250,14 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         first = int(pm.any(0).int().argmax()) if pm.any() else pm.shape[1] - 1
         width = max(int(cm.sum(1).max()), 1)
         s = completion_logprobs(model, ro.prompt_ids[rows, first:], pm[:, first:], ro.completion_ids[rows, :width],
-                                cm[:, :width], self.cfg.temperature, value_head, self.cfg.logprob_chunk)
+                                cm[:, :width], self.cfg.temperature, value_head, self.cfg.logprob_chunk,
+                                packed=self.packed(model))
         pad = cm.shape[1] - width
         return TokenScores(*(None if t is None else F.pad(t, (0, pad)) for t in s))
 
-    def accumulate(self, rows: Tensor, loss_fn: LossFn) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-        """``loss_fn`` over micro-batches of ``cfg.micro_batch_size`` rows (see :mod:`.update`)."""
-        return accumulate(rows, self.cfg.micro_batch_size, loss_fn, self._backward)
+    def accumulate(self, ro: RolloutBatch, rows: Tensor, loss_fn: LossFn) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """``loss_fn`` over the policy's micro-batches of ``rows`` (see :meth:`micro_batches`, :mod:`.update`)."""
+        return accumulate(self.micro_batches(self.policy, ro, rows), loss_fn, self._backward)
 
     def _backward(self, loss: Tensor) -> None:
         """Back-propagate an intermediate micro-batch the way Lightning back-propagates the step's loss:
@@ -286,16 +338,28 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Wall time of the whole step (rollout, scoring, forward, backward, optimizer; the GPU's queue
-        drained), the rollout's share of it, trained tokens (prompt + completion) per second of the rest,
-        and the step's peak GPU memory."""
+        drained) and of its parts -- ``time/update_s`` (the micro-batches' forward and backward and the optimizer
+        step), ``time/old_logprob_s`` and ``time/reference_s`` on the steps that run those passes -- the rollout's
+        share, trained tokens (prompt + completion) per second of the rest, the model FLOPs rate of the rest
+        (``time/train_tflops``; ``time/mfu`` against the GPU's dense bf16 peak where it is known, see
+        :mod:`.flops`) and the step's peak GPU memory."""
+        now = self._now()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             self.log("memory/peak_gib", torch.cuda.max_memory_allocated(self.device) / 2**30,
                      batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
-        step_s = max(time.perf_counter() - self._step_started, 1e-9)
+        if "update" in self._times:
+            self._times["update"] += now
+        step_s = max(now - self._step_started, 1e-9)
+        train_s = max(step_s - self._last_rollout_s, 1e-9)
         kw = dict(batch_size=len(batch["prompt"]), sync_dist=True)
         self.log("rollout/time_share", self._last_rollout_s / step_s, **kw)
         self.log("time/step_s", step_s, **kw)
         self.log("time/rollout_s", self._last_rollout_s, **kw)
-        self.log("time/train_tokens_per_s", self._last_train_tokens / max(step_s - self._last_rollout_s, 1e-9),
+        for part, seconds in self._times.items():
+            self.log(f"time/{part}_s", seconds, **kw)
+        self.log("time/train_tokens_per_s", self._last_train_tokens / train_s,
                  batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="sum")
+        self.log("time/train_tflops", self._step_flops / train_s / 1e12, **kw)
+        peak = peak_flops(self.device)
+        if peak:
+            self.log("time/mfu", self._step_flops / train_s / peak, **kw)

@@ -15,7 +15,11 @@ class RLConfig:
     """Sampling, optimisation and memory settings every algorithm has.
 
     ``micro_batch_size``: rows per forward/backward inside one optimizer step (None: all rows at once); the
-    gradients of the micro-batches add up to the whole batch's. ``master_weights``: bf16/fp16 parameters get
+    gradients of the micro-batches add up to the whole batch's. ``micro_batch_tokens``: a token budget per
+    micro-batch as well (real tokens of packed rows; rows x the longest row when padded), so that short rows share
+    a pass. ``padding_free`` (TRL's name): the rows of a training pass run packed into one sequence, each row
+    alone (``cu_seqlens``), where the policy's forward takes that (segki's injected layers), else padded.
+    ``master_weights``: bf16/fp16 parameters get
     fp32 master copies in the optimizer (the model keeps reading its own half-precision weights).
     ``logprob_chunk``: tokens per chunk of the output projection in the log-prob pass (None: ~1 GiB of fp32
     logits per chunk).
@@ -42,6 +46,8 @@ class RLConfig:
     warmup_steps: int = 0
     max_grad_norm: float | None = 1.0
     micro_batch_size: int | None = None
+    micro_batch_tokens: int | None = None
+    padding_free: bool = True
     master_weights: bool = True
     logprob_chunk: int | None = None
     importance_sampling_correction: bool = True
@@ -72,6 +78,9 @@ class RLConfig:
             raise ValueError(f"max_prompt_length must be >= 1 token (or null: no limit), got {self.max_prompt_length}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 row (or null for all rows), got {self.micro_batch_size}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 token (or null: no token budget), got "
+                             f"{self.micro_batch_tokens}")
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1 token (or null), got {self.logprob_chunk}")
 

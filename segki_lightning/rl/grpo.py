@@ -47,7 +47,7 @@ class GRPOModule(RLModule):
         if cfg.mask_truncated_completions:
             data["mask"] = data["mask"] * (ro.completion_ids == self.eos_token_id).any(1)[:, None].long()
         if cfg.steps_per_rollout > 1 or cfg.top_entropy_quantile < 1.0:
-            old = self.score_all(self.policy, ro)
+            old = self.old_scores(ro)
             data["old_logp"] = old.logp
             if cfg.top_entropy_quantile < 1.0:
                 data["token_weight"] = high_entropy_mask(old.entropy, data["mask"], cfg.top_entropy_quantile)

@@ -127,29 +127,117 @@ def token_logprobs(hidden: Tensor, head: nn.Linear, targets: Tensor, temperature
 
 def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor,
                         completion_mask: Tensor, temperature: float = 1.0, value_head: nn.Module | None = None,
-                        chunk: int | None = None) -> TokenScores:
+                        chunk: int | None = None, packed: bool = False) -> TokenScores:
     """Scores of each completion token: ``[N, P]`` + ``[N, T]`` -> :class:`TokenScores` of ``[N, T]``.
 
     Positions count only real tokens (left padding does not shift them), so each row sees what it saw
-    alone during the rollout. ``temperature <= 0`` (greedy rollouts) scores at temperature 1."""
+    alone during the rollout. ``temperature <= 0`` (greedy rollouts) scores at temperature 1. ``packed``: the rows'
+    real tokens run end to end as one sequence (:func:`packs` says where the model's forward takes that), padding
+    none; rows with padding inside a completion run padded either way."""
     t = temperature if temperature > 0 else 1.0
     sel = completion_mask.bool()                                               # [N, T]
     lay = _layout(prompt_ids, prompt_mask, completion_ids, completion_mask)
     if not _plain_head(model, torch.cat([prompt_ids[:1], completion_ids[:1]], 1)[:, -8:]):
         return _plain_scores(model, lay, completion_ids, sel, t, value_head)
+    pack = _pack(lay, prompt_mask, completion_mask) if packed else None
 
     def chunked() -> TokenScores:
-        hidden = model.base_model(input_ids=lay.ids, attention_mask=lay.mask, position_ids=lay.positions,
-                                  use_cache=False).last_hidden_state                 # [N, L, H]
-        n, length = hidden.shape[:2]
-        rows = (torch.arange(n, device=hidden.device)[:, None] * length + lay.take)[sel]   # [M] in [N * L]
-        logp_m, ent_m = token_logprobs(hidden.flatten(0, 1)[rows], model.get_output_embeddings(), completion_ids[sel],
-                                       t, chunk)
+        if pack is not None:
+            hidden = _packed_forward(model, pack)                                       # [M, H]
+            take = pack.take                                                            # [N, T] in [M]
+        else:
+            hidden = model.base_model(input_ids=lay.ids, attention_mask=lay.mask, position_ids=lay.positions,
+                                      use_cache=False).last_hidden_state                # [N, L, H]
+            take = torch.arange(len(lay.ids), device=hidden.device)[:, None] * hidden.shape[1] + lay.take
+            hidden = hidden.flatten(0, 1)                                               # [N * L, H]
+        logp_m, ent_m = token_logprobs(hidden[take[sel]], model.get_output_embeddings(), completion_ids[sel], t, chunk)
         zeros = torch.zeros(sel.shape, dtype=logp_m.dtype, device=hidden.device)   # fp32 (fp64 for fp64 models)
-        values = _values(value_head, _predictors(hidden, lay.take), sel) if value_head is not None else None
+        values = _values(value_head, hidden[take.clamp(0, len(hidden) - 1)], sel) if value_head is not None else None
         return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
 
     return through_root(model, chunked)
+
+
+class _Packed(NamedTuple):
+    """Rows laid end to end, real tokens only: ``ids`` and ``positions`` (each token's place in its row) ``[1, M]``,
+    ``cu [R + 1]`` int32 row offsets (flash-attention's ``cu_seqlens``), the longest row, and ``take [N, T]``: where
+    the hidden state that predicts each completion token sits in ``M``."""
+
+    ids: Tensor
+    positions: Tensor
+    cu: Tensor
+    max_len: int
+    take: Tensor
+
+
+def _pack(lay: _Layout, prompt_mask: Tensor, completion_mask: Tensor) -> _Packed | None:
+    """The packed form of an unmasked layout (each row's real tokens first, :func:`_layout`); None for a layout
+    that keeps its mask (padding inside a completion). One host sync."""
+    if lay.mask is not None:
+        return None
+    lengths = prompt_mask.sum(1) + completion_mask.sum(1)                       # [N]
+    keep = torch.arange(lay.ids.shape[1], device=lay.ids.device)[None, :] < lengths[:, None]   # [N, L]
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)                       # [N + 1]
+    return _Packed(lay.ids[keep][None], lay.positions[keep][None], cu, int(lengths.max()),
+                   cu[:-1, None].long() + lay.take)
+
+
+def no_masks(model: nn.Module) -> dict[str, None]:
+    """An attention-mask mapping that tells transformers' models (those that take the mapping per layer type) to
+    build no mask: packed rows are kept apart by ``cu_seq_lens_*``, not by a ``[M, M]`` mask."""
+    kinds = set(getattr(model.config, "layer_types", None) or ()) | {"full_attention", "sliding_attention"}
+    return dict.fromkeys(kinds)
+
+
+def _packed_forward(model: nn.Module, pack: _Packed) -> Tensor:
+    """The last hidden states ``[M, H]`` of packed rows."""
+    out = model.base_model(input_ids=pack.ids, position_ids=pack.positions, attention_mask=no_masks(model),
+                           cu_seq_lens_q=pack.cu, cu_seq_lens_k=pack.cu, max_length_q=pack.max_len,
+                           max_length_k=pack.max_len, use_cache=False)
+    return out.last_hidden_state[0]
+
+
+_PACKS = "_segki_packs"
+
+
+@torch.no_grad()
+def packs(model: nn.Module, injected: bool) -> bool:
+    """Whether ``model``'s forward runs packed rows as if each ran alone: two random rows (7 and 12 tokens) packed
+    against each one by itself, once per model and injection state (eval mode), within the rounding of its dtype.
+    Transformers' own layers keep packed rows apart only with flash-attention and fla's varlen kernels, so where
+    it says no (the switches off, a model this package does not fuse), training pads; one line says so."""
+    known = model.__dict__.get(_PACKS)
+    if known is not None and known[0] == injected:
+        return known[1]
+    head = model.get_output_embeddings()
+    device = head.weight.device
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, min(head.out_features, 1000), (n,), generator=gen).to(device) for n in (7, 12)]
+    was_training = model.training
+    model.eval()
+    try:
+        def alone(ids: Tensor) -> Tensor:
+            return model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+
+        want = torch.cat([through_root(model, lambda r=r: alone(r)) for r in rows]).float()
+        cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
+        pack = _Packed(torch.cat(rows)[None], torch.cat([torch.arange(7), torch.arange(12)]).to(device)[None], cu, 12,
+                       cu[:-1, None].long())
+        got = through_root(model, lambda: _packed_forward(model, pack)).float()
+        tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+        ok, why = bool(((got - want).norm() <= tol * want.norm()).item()), "its packed rows differ from the rows alone"
+    except Exception as err:   # a forward that refuses the keywords or the mask mapping
+        ok, why = False, f"its forward refuses packed rows ({type(err).__name__}: {err})"
+    finally:
+        model.train(was_training)
+    if ok:
+        log.info("segki: training passes run each micro-batch's rows packed into one sequence (padding-free)")
+    else:
+        log.warning("segki: padding-free training is off for %s: %s%s; micro-batches run padded",
+                    type(model).__name__, why, "" if injected else " (rollout.use_segki=false leaves the model's "
+                    "own layers, which keep packed rows apart only with flash-attention kernels)")
+    model.__dict__[_PACKS] = (injected, ok)
+    return ok
 
 
 class _Layout(NamedTuple):

@@ -43,7 +43,7 @@ class PPOModule(RLModule):
         s = self.rollout_and_score(batch, cfg.num_generations)
         ro = s.batch
         mask = ro.completion_mask
-        old = self.score_all(self.policy, ro, self.value_head)                               # [N, T] each
+        old = self.old_scores(ro, self.value_head)                                        # [N, T] each
         ref = self.reference_logp(ro) if self.reference is not None else old.logp
         kl = old.logp - ref
         token_rewards = -cfg.kl_coef * kl

@@ -16,21 +16,36 @@ from torch import Tensor
 LossFn = Callable[[Tensor], tuple[Tensor, dict[str, Tensor]]]
 
 
-def micro_batches(rows: Tensor, size: int | None) -> list[Tensor]:
-    """Consecutive pieces of the row indices ``rows`` of at most ``size`` rows (all of them when None)."""
+def micro_batches(rows: Tensor, size: int | None, tokens: int | None = None, lengths: Tensor | None = None,
+                  packed: bool = True) -> list[Tensor]:
+    """Consecutive pieces of the row indices ``rows``: at most ``size`` rows each (all of them when None) and, with a
+    token budget ``tokens``, at most that many tokens each by ``lengths`` (each row's real tokens, ``[len(rows)]``):
+    their sum when the rows run ``packed``, else the rows times the longest of them (what a padded micro-batch
+    computes). A row longer than the budget is a piece of its own."""
     size = len(rows) if size is None else max(1, size)
-    return list(rows.split(size))
+    if tokens is None:
+        return list(rows.split(size))
+    if lengths is None:
+        raise ValueError("a token budget needs the rows' lengths")
+    pieces, start, used, longest = [], 0, 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        cost = used + n if packed else (i - start + 1) * max(longest, n)
+        if i > start and (cost > tokens or i - start >= size):
+            pieces.append(rows[start:i])
+            start, used, longest = i, 0, 0
+        used, longest = used + n, max(longest, n)
+    pieces.append(rows[start:])
+    return pieces
 
 
-def accumulate(rows: Tensor, size: int | None, loss_fn: LossFn, backward: Callable[[Tensor], None]
+def accumulate(parts: list[Tensor], loss_fn: LossFn, backward: Callable[[Tensor], None]
                ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
-    """Run ``loss_fn`` on each micro-batch of ``rows``; ``backward`` all but the last loss.
+    """Run ``loss_fn`` on each micro-batch (row indices, :func:`micro_batches`); ``backward`` all but the last loss.
 
     Returns ``(last_loss, total_loss, stats)``: the last micro-batch's loss, still attached to its graph (the
     caller's backward), the step's loss summed over micro-batches (detached, for logging), and each stat summed
     over micro-batches (stats are shares of batch means, so the sums are the batch's) -- or, for names ending in
     ``_max``, their maximum."""
-    parts = micro_batches(rows, size)
     total: Tensor | None = None
     stats: dict[str, Tensor] = {}
     loss: Tensor | None = None

@@ -1,0 +1,99 @@
+"""Packed sequences for training (padding-free batches): several rows laid end to end in one sequence
+``[1, M, ...]`` with ``cu_seqlens [R + 1]`` (int, the rows' start offsets and the total, as flash-attention takes
+them). Each op treats every row as if it ran alone, from zero state: the Gated-DeltaNet chunk rule (fla's varlen
+kernels on CUDA, else the torch rule per row), its causal depthwise conv, and causal softmax attention (PyTorch's
+varlen flash attention where it runs, else SDPA per row). All differentiable."""
+from __future__ import annotations
+
+import inspect
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import gdn_chunk as _gdn
+from .reference import gdn_chunked
+
+
+def seq_lens(cu_seqlens: Tensor) -> list[int]:
+    """Row lengths of ``cu_seqlens`` (one host sync)."""
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+
+
+def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    """The gated delta rule with q/k L2-norm from a zero state for each row: ``q, k [B, T, Hk, Dk]``, ``v [B, T, Hv,
+    Dv]``, ``g`` (fp32 log-decay), ``beta [B, T, Hv]`` -> ``[B, T, Hv, Dv]``; packed rows with ``cu_seqlens``
+    (``B = 1``). flash-linear-attention's chunked kernels on CUDA where they train here
+    (:func:`~segki_lightning.ops.gdn_chunk.training_path`; without gradients wherever fla runs), else
+    transformers' chunked torch rule, row by row when packed."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    if q.is_cuda and _gdn.fla_runs(needs_grad):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+        return out
+    if cu_seqlens is None:
+        return gdn_chunked(q, k, v, g, beta)
+    parts = [gdn_chunked(*(t[:, s:s + n] for t in (q, k, v, g, beta)))
+             for s, n in zip(cu_seqlens[:-1].tolist(), seq_lens(cu_seqlens))]
+    return torch.cat(parts, dim=1)
+
+
+def causal_conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None = None) -> Tensor:
+    """``SiLU(depthwise causal conv)`` of ``x [B, T, C]`` with ``weight [C, 1, W]`` -> ``[B, T, C]`` in x's dtype, each
+    row from zeros (transformers' Gated-DeltaNet conv). Packed rows (``cu_seqlens``, ``B = 1``) are spread apart by
+    ``W - 1`` zeros, so that no row's window reaches into the row before it, and gathered back after the conv."""
+    gap = weight.shape[-1] - 1
+    if cu_seqlens is not None and gap > 0:
+        rows = len(cu_seqlens) - 1
+        row_of = torch.repeat_interleave(torch.arange(rows, device=x.device),
+                                         (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.device))       # [M]
+        dest = torch.arange(x.shape[1], device=x.device) + gap * (row_of + 1)                    # [M]
+        spread = x.new_zeros(1, x.shape[1] + gap * rows, x.shape[2]).index_copy(1, dest, x)      # [1, M + gap R, C]
+        return causal_conv_silu(spread, weight, bias).index_select(1, dest)
+    t = x.shape[1]
+    y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, bias, padding=gap, groups=x.shape[-1])[..., :t]
+    return F.silu(y).to(x.dtype).transpose(1, 2)                                                 # [B, T, C]
+
+
+@cache
+def _varlen_kwargs() -> dict[str, str] | None:
+    """How this PyTorch's ``varlen_attn`` says causal and GQA (its signature moved between 2.10 and 2.12); None
+    where it does not exist."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return {"causal": "window_size" if "window_size" in params else "is_causal" if "is_causal" in params else "",
+            "scale": "scale" if "scale" in params else "", "gqa": "enable_gqa" if "enable_gqa" in params else ""}
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int, scale: float) -> Tensor:
+    """Causal softmax attention of each packed row alone: ``q [M, Hq, D]``, ``k, v [M, Hkv, D]`` (``Hq % Hkv == 0``)
+    -> ``[M, Hq, D]``. PyTorch's varlen flash attention on CUDA for bf16/fp16 where this PyTorch has it; else SDPA
+    (causal) row by row."""
+    kw = _varlen_kwargs()
+    if kw is not None and kw["causal"] and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        extra = {kw["causal"]: (-1, 0) if kw["causal"] == "window_size" else True}
+        if kw["scale"]:
+            extra["scale"] = scale
+        else:
+            q = q * (scale * q.shape[-1] ** 0.5)   # the default scale is D ** -0.5
+        if kw["gqa"]:
+            extra["enable_gqa"] = True
+        elif k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        cu = cu_seqlens.to(torch.int32)
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
+    out = []
+    for s, n in zip(cu_seqlens[:-1].tolist(), seq_lens(cu_seqlens)):
+        qs, ks, vs = (t[s:s + n].transpose(0, 1)[None] for t in (q, k, v))                      # [1, H, n, D]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                           enable_gqa=ks.shape[1] != qs.shape[1])
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out, dim=0)

@@ -1,0 +1,113 @@
+"""Gated-DeltaNet training on CUDA: the training path (flash-linear-attention's fused chunk kernels, with segki's
+dq/dk/dw/dg where fla refuses this Triton) against transformers' torch chunk rule -- outputs and every input
+gradient at the Qwen3.5 0.8B and 4B GDN shapes, equal lengths and packed rows -- and padding-free training passes
+against padded ones at the 0.8B shape (scores, gradients, one GRPO micro-batch step).
+
+Tolerances (relative norm error): fp32 inputs 2e-3 (fla's matrix products run in tf32), bf16 inputs 2e-2 (fla keeps
+bf16 intermediates, the torch rule fp32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from segki_lightning.ops import varlen
+from segki_lightning.ops.gdn_chunk import TORCH, training_path
+from segki_lightning.ops.reference import gdn_chunked
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
+SHAPES = {"0.8b": (16, 16), "4b": (16, 32)}   # (key heads, value heads), head dims 128
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all()
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def gdn_inputs(bsz: int, length: int, hk: int, hv: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, device="cuda", generator=gen)   # noqa: E731
+    q, k = rand(bsz, length, hk, 128), rand(bsz, length, hk, 128)
+    v = rand(bsz, length, hv, 128)
+    g = -torch.nn.functional.softplus(rand(bsz, length, hv)) * 0.5        # fp32 log-decay, as the model's gates
+    beta = torch.sigmoid(rand(bsz, length, hv))
+    return [t.to(dtype) for t in (q, k, v)] + [g, beta.to(dtype)]
+
+
+def grads_of(fn, inputs, seed):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    dout = torch.randn(out.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed))
+    (out.float() * dout).sum().backward()
+    return out.detach(), [t.grad for t in inputs]
+
+
+def test_the_training_path_is_fla():
+    assert training_path() != TORCH, training_path()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("lengths", [None, [300, 64, 1, 517, 130]], ids=["equal", "packed"])
+def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
+    hk, hv = SHAPES[shape]
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    if lengths is None:
+        inputs, cu = gdn_inputs(2, 333, hk, hv, dtype, seed), None
+    else:
+        inputs = gdn_inputs(1, sum(lengths), hk, hv, dtype, seed)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    out, grads = grads_of(lambda *t: varlen.gdn_chunk(*t, cu_seqlens=cu), inputs, seed)
+    ref_in = [t.double() for t in inputs]
+
+    def torch_rule(*t):   # each row alone, fp64
+        if cu is None:
+            return gdn_chunked(*t)
+        return torch.cat([gdn_chunked(*(x[:, s:e] for x in t)) for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], 1)
+
+    want, want_grads = grads_of(torch_rule, ref_in, seed)
+    errors = {"out": rel(out, want), **{n: rel(g, w) for n, g, w in zip("qkvgb", grads, want_grads)}}
+    assert max(errors.values()) <= TOL[dtype], errors
+
+
+def test_a_grpo_step_packed_equals_padded_at_the_0_8b_shape():
+    """Four layers of the Qwen3.5-0.8B shape (3 GDN + 1 attention, bf16, segki injected), five rows of 40-600 real
+    tokens: log-probs and the GRPO loss's parameter gradients of the packed pass against the padded one."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from segki_lightning.inject import apply_segment_ki
+    from segki_lightning.rl import GRPOConfig
+    from segki_lightning.rl.logprobs import completion_logprobs, packs
+    from segki_lightning.rl.losses import Totals, grpo_loss
+
+    from ..tiny_models import qwen35_config
+
+    cfg = qwen35_config(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
+                        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                        linear_value_head_dim=128, vocab_size=4096)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).cuda().train()
+    apply_segment_ki(model)
+    assert packs(model, injected=True)
+    gen = torch.Generator().manual_seed(1)
+    prompt = [int(n) for n in torch.randint(8, 40, (5,), generator=gen)]
+    completion = [int(n) for n in torch.randint(30, 560, (5,), generator=gen)]
+    pm = torch.zeros(5, max(prompt), dtype=torch.long)
+    cm = torch.zeros(5, max(completion), dtype=torch.long)
+    for r, (p, c) in enumerate(zip(prompt, completion)):
+        pm[r, -p:], cm[r, :c] = 1, 1
+    ids_p, ids_c = (torch.randint(2, 4096, m.shape, generator=gen) * m for m in (pm, cm))
+    batch = [t.cuda() for t in (ids_p, pm, ids_c, cm)]
+    adv = torch.randn(5, generator=gen).cuda()
+    mask, cfg, old = batch[3], GRPOConfig(), None
+    results = {}
+    for packed in (False, True):   # one GRPO (dapo) loss backward each, the padded pass's log-probs as the old ones
+        model.zero_grad()
+        s = completion_logprobs(model, *batch, packed=packed)
+        old = s.logp.detach() if old is None else old
+        grpo_loss(s.logp, old, None, adv, mask, cfg, Totals.of(mask))[0].backward()
+        results[packed] = (s.logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lp_pad, g_pad), (lp_pack, g_pack) = results[False], results[True]
+    assert rel(lp_pack, lp_pad) <= 2e-2
+    worst = max((rel(g_pack[n], g_pad[n]), n) for n in g_pad if g_pad[n].norm() > 0)
+    assert worst[0] <= 5e-2, worst
