@@ -26,6 +26,7 @@ from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
 from .metrics import write_completions
+from .nonfinite import NonFiniteError, check
 from .task import check_batch, completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
 
@@ -57,6 +58,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._times: dict[str, float] = {}        # this step's parts (time/<part>_s), see _timed
         self._step_flops = 0.0                    # model FLOPs of this step's training passes (see .flops)
         self._flop_shape: FlopShape | None = None
+        self._nonfinite_skipped = 0               # steps skipped for non-finite values (on_nonfinite=skip_step)
         self._buffer: RolloutBuffer | None = None
         self.reference: nn.Module | None = None   # the frozen KL reference (see keep_reference)
 
@@ -73,11 +75,18 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """Loss and stats of rows ``rows`` (a micro-batch) of the buffer, normalised by ``totals``."""
         raise NotImplementedError
 
-    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor:
+    def training_step(self, batch: dict[str, list], batch_idx: int) -> Tensor | None:
         """One optimizer step: a new rollout when the buffer is used up (the batch is ignored otherwise: the
-        recipe's loader repeats each batch for the steps of one rollout), then the next rows, micro-batched."""
+        recipe's loader repeats each batch for the steps of one rollout), then the next rows, micro-batched. A
+        non-finite reward or loss stops here, before any update (see :meth:`on_nonfinite`)."""
         self._last_rollout_s = 0.0
         self._times, self._step_flops = {}, 0.0
+        try:
+            return self._train_step(batch)
+        except NonFiniteError as err:
+            return self.on_nonfinite(err)
+
+    def _train_step(self, batch: dict[str, list]) -> Tensor:
         if not self._buffer:
             check_batch(batch)
             self._buffer = self.prepare(batch)
@@ -91,15 +100,47 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._last_train_tokens = int(ro.prompt_mask[rows].sum() + ro.completion_mask[rows].sum())
         self._times["update"] = -self._now()   # completed in on_train_batch_end, after the optimizer step
         self._count_flops(ro, rows)
-        loss, total, stats = self.accumulate(ro, rows, lambda r: self.step_loss(buf, r, totals))
+
+        def loss_fn(r: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            loss, stats = self.step_loss(buf, r, totals)
+            check("the loss", loss)   # before its backward: no non-finite gradient is accumulated
+            return loss, stats
+
+        loss, total, stats = self.accumulate(ro, rows, loss_fn)
         self.log_step(total, stats, len(batch["prompt"]))
         return loss
+
+    def on_nonfinite(self, err: NonFiniteError) -> None:
+        """``on_nonfinite=raise``: stop the run with the step and the quantity; ``skip_step``: drop the step's
+        gradients (and the rollout, if its rewards were the cause) so that the optimizer changes nothing, count
+        it (``train/nonfinite_skipped``) and go on."""
+        msg = f"step {self.global_step}: {err}"
+        if self.cfg.on_nonfinite == "raise":
+            raise NonFiniteError(f"{msg}. The run stops before the optimizer step (algo.on_nonfinite=skip_step "
+                                 "skips such steps instead)") from None
+        from lightning.pytorch.utilities import rank_zero_warn
+
+        rank_zero_warn(f"segki: {msg}; the step is skipped (algo.on_nonfinite=skip_step)")
+        self.zero_grad(set_to_none=True)
+        if "reward" in str(err):
+            self._buffer = None
+        self._nonfinite_skipped += 1
+        self.log("train/nonfinite_skipped", float(self._nonfinite_skipped), reduce_fx="max")
+        return None
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
         """Greedy rollouts of held-out prompts, one completion each (graph-captured on GPU like training's):
         ``val/reward``, ``val/rewards/<function>``, ``val/completion_length``."""
         check_batch(batch)
-        s = self.rollout_and_score(batch, 1, greedy=True)
+        try:
+            s = self.rollout_and_score(batch, 1, greedy=True)
+        except NonFiniteError as err:
+            if self.cfg.on_nonfinite == "raise":
+                raise NonFiniteError(f"validation at step {self.global_step}: {err}") from None
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"segki: validation at step {self.global_step}: {err}; this batch is not scored")
+            return
         kw = dict(batch_size=len(batch["prompt"]), sync_dist=True)
         self.log("val/reward", s.rewards.mean(), prog_bar=True, **kw)
         for name, v in s.means.items():
@@ -229,6 +270,11 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([whole(torch.linalg.vector_norm(g.float())) for g in grads]))
+            try:
+                check("the gradient norm", norm)
+            except NonFiniteError as err:
+                self.on_nonfinite(err)   # raises, or drops every gradient: the optimizer then steps nothing
+                return
             self.log("train/grad_norm", norm, sync_dist=True)
         self.log("train/learning_rate", float(optimizer.param_groups[0]["lr"]))
 
@@ -328,7 +374,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def on_train_start(self) -> None:
         """The policy trains in train mode (Lightning keeps each submodule's mode, and ``from_pretrained``
         returns models in eval mode: activation checkpointing and dropout would silently be off); the
-        reference model stays in eval mode."""
+        reference model stays in eval mode. ``on_nonfinite=skip_step`` needs one process."""
+        if self.cfg.on_nonfinite == "skip_step" and self.trainer.world_size > 1:
+            raise ValueError("algo.on_nonfinite=skip_step runs on one process only (ranks would skip different "
+                             "steps and wait on each other): use algo.on_nonfinite=raise under DDP/FSDP")
         self.policy.train()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:

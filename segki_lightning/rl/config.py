@@ -8,6 +8,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 SCALES = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
+NONFINITE_MODES = ("raise", "skip_step")   # rl/nonfinite.py
 
 
 @dataclass
@@ -30,7 +31,10 @@ class RLConfig:
 
     Schedule (transformers' ``get_scheduler``): ``lr_scheduler_type`` over the run's optimizer steps, after
     ``warmup_steps`` (or, when 0, ``warmup_ratio`` of them); ``max_grad_norm`` clips the gradient norm unless the
-    Trainer's ``gradient_clip_val`` is set."""
+    Trainer's ``gradient_clip_val`` is set.
+
+    ``on_nonfinite``: an infinite reward, a non-finite loss or gradient norm stops the run before the optimizer
+    step (``raise``) or skips the step (``skip_step``), see :mod:`~segki_lightning.rl.nonfinite`."""
 
     num_generations: int = 1
     reward_weights: list[float] | None = None
@@ -55,6 +59,7 @@ class RLConfig:
     importance_sampling_clip_max: float = 3.0
     importance_sampling_clip_min: float | None = None
     log_completions_every: int = 50
+    on_nonfinite: str = "raise"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,6 +73,8 @@ class RLConfig:
                              f"{self.warmup_steps}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 (or null for no clipping), got {self.max_grad_norm}")
+        if self.on_nonfinite not in NONFINITE_MODES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {self.on_nonfinite!r}")
         if self.importance_sampling_mode not in IS_MODES:
             raise ValueError(f"importance_sampling_mode must be one of {IS_MODES}, got {self.importance_sampling_mode!r}")
         lo = self.importance_sampling_clip_min

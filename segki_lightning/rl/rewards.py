@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .nonfinite import check_rewards
+
 log = logging.getLogger("segki_lightning")
 RewardFn = Callable[..., list]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -122,7 +124,8 @@ def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions
           columns: dict[str, list], **extra: Any) -> tuple[list[float], dict[str, float]]:
     """Weighted total per completion and the mean of each reward function (for logging), TRL's semantics: a
     function returns one float or ``None`` (not applicable to that row) per completion; ``None`` is left out of
-    the weighted sum and of that function's mean; a row no function applies to scores 0 (with a warning).
+    the weighted sum and of that function's mean; a row no function applies to scores 0 (with a warning); +-inf
+    raises :class:`~segki_lightning.rl.nonfinite.NonFiniteError`.
 
     ``extra`` (e.g. ``completion_ids``) is passed by keyword next to the dataset's columns."""
     n = len(completions)
@@ -137,6 +140,7 @@ def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions
             table.append([math.nan if v is None else float(v) for v in values])
         except (TypeError, ValueError) as err:
             raise TypeError(f"reward {r.label} returned a value that is neither a number nor None: {err}") from None
+    check_rewards(table, [r.label for r in rewards])
     means = {}
     for r, values in zip(rewards, table):
         kept = [v for v in values if not math.isnan(v)]

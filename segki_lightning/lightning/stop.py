@@ -1,0 +1,97 @@
+"""GracefulStop: SIGTERM and SIGINT end a fit with a checkpoint of the last finished step and a non-zero exit.
+
+A scheduler's SIGTERM (pre-emption, a job's time limit) or a first Ctrl+C lets the current optimizer step finish;
+right after it (``on_train_batch_end``, where ``ModelCheckpoint`` saves too, so the resume is exact) the callback
+writes ``<dirpath>/last.ckpt`` and raises :class:`TrainingInterrupted`, which ``segki-train`` turns into a line
+saying where the checkpoint is and exit status 128 + the signal (143 for SIGTERM, 130 for SIGINT). A second
+signal abandons the step at once (KeyboardInterrupt, Lightning's own shutdown). Under several processes the
+ranks agree at each step's end (one small collective) and save together. SLURM's requeue signal stays with
+Lightning's ``SLURMEnvironment(auto_requeue=True)``, which saves its own checkpoint.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+
+class TrainingInterrupted(SystemExit):
+    """A fit stopped by a signal after its last finished step was checkpointed (``code`` is 128 + the signal)."""
+
+    def __init__(self, signum: int, step: int, path: str):
+        super().__init__(128 + signum)
+        self.signum, self.step, self.path = signum, step, path
+
+    def __str__(self) -> str:
+        return (f"segki: stopped by {signal.Signals(self.signum).name} after step {self.step}; its checkpoint is "
+                f"{self.path} (resume with ckpt_path={self.path})")
+
+
+class GracefulStop(Checkpoint):
+    """Checkpoint the last finished step and stop when SIGTERM or SIGINT arrives (see the module docstring).
+
+    Args:
+        dirpath: folder of the checkpoint (``last.ckpt`` there).
+        signals: the signals to handle.
+
+    Example:
+        >>> trainer = Trainer(callbacks=[ModelCheckpoint(dirpath="ckpt"), GracefulStop("ckpt")])
+    """
+
+    def __init__(self, dirpath: str | Path, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)):
+        super().__init__()
+        self.dirpath = Path(dirpath)
+        self.signals = tuple(signals)
+        self._received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def ckpt_path(self) -> Path:
+        return self.dirpath / "last.ckpt"
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._received is not None:   # the second one: do not wait for the step
+            self._restore()
+            raise KeyboardInterrupt
+        self._received = signum
+        rank_zero_info(f"segki: {signal.Signals(signum).name} received: finishing this step, then checkpointing "
+                       "(send it again to stop at once)")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Install the handlers (Lightning installs its own SIGTERM notifier before this; ours replaces it for the
+        fit, and ``teardown`` puts back whatever was there)."""
+        self._received = None
+        if threading.current_thread() is not threading.main_thread():
+            return   # signal handlers can only be set from the main thread
+        for s in self.signals:
+            self._previous[s] = signal.getsignal(s)
+            signal.signal(s, self._handle)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        received = self._received is not None
+        if trainer.world_size > 1:
+            received = trainer.strategy.reduce_boolean_decision(received, all=False)
+        if not received:
+            return
+        signum = self._received or signal.SIGTERM   # a rank that got none stops with the one another rank got
+        trainer.save_checkpoint(str(self.ckpt_path))
+        raise TrainingInterrupted(int(signum), trainer.global_step, str(self.ckpt_path))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for s, handler in self._previous.items():
+            if handler is not None:
+                signal.signal(s, handler)
+        self._previous = {}
