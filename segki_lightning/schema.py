@@ -63,6 +63,7 @@ class TrainerConf:
 class CheckpointConf:
     every_n_train_steps: int = 100
     save_last: bool = True
+    save_top_k: int = 3             # the most recent checkpoints kept (step-NNNNNN.ckpt); -1: all, 0: only last.ckpt
 
 
 @dataclass

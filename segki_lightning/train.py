@@ -158,7 +158,9 @@ def run(cfg) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
     from omegaconf import OmegaConf
 
-    from .lightning import RankConsistency, SegKICallback, StepProgressBar
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from .lightning import GracefulStop, RankConsistency, SafeCheckpointIO, SegKICallback, StepProgressBar
     from .rl import GRPOConfig, GRPOModule, PPOConfig, PPOModule
 
     check_complete(cfg)
@@ -174,20 +176,41 @@ def run(cfg) -> dict:
     algo = conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True))
     module = module_cls(policy, tokenizer, rewards, algo)
     root = cfg.trainer.default_root_dir
-    ckpt = ModelCheckpoint(dirpath=Path(root) / "checkpoints", every_n_train_steps=cfg.checkpoint.every_n_train_steps,
-                           save_last=cfg.checkpoint.save_last, save_top_k=-1)
-    callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, RankConsistency()]
+    if cfg.export_dir:
+        check_writable(cfg.export_dir, "export_dir")
+    ckpt_dir = Path(root) / "checkpoints"
+    ckpt = ModelCheckpoint(dirpath=ckpt_dir, filename="step-{step:06d}", auto_insert_metric_name=False,
+                           enable_version_counter=False,
+                           every_n_train_steps=cfg.checkpoint.every_n_train_steps, save_last=cfg.checkpoint.save_last,
+                           save_top_k=cfg.checkpoint.save_top_k, monitor="step", mode="max")
+    callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, GracefulStop(ckpt_dir),
+                 RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kw["logger"] = build_loggers(cfg)
     use_strategy(trainer_kw)
     if trainer_kw["enable_progress_bar"]:
         callbacks.append(StepProgressBar())
+    if not isinstance(trainer_kw.get("strategy"), ModelParallelStrategy):   # FSDP writes distributed checkpoints
+        trainer_kw["plugins"] = [SafeCheckpointIO()]
     trainer = pl.Trainer(**trainer_kw, callbacks=callbacks)
     trainer.fit(module, train_dataloaders=build_data(cfg, algo.steps_per_rollout), val_dataloaders=build_eval_data(cfg),
                 ckpt_path=cfg.ckpt_path)
     if cfg.export_dir:
         export(module, cfg.export_dir)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def check_writable(path: str, key: str) -> None:
+    """Create ``path`` and write a file in it now, so that a folder the run cannot write fails before training,
+    naming the setting."""
+    import tempfile
+
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ValueError(f"{key}={path} is not a writable folder ({err.strerror}): choose another {key}") from None
 
 
 def module_class(path: str | None, base: type) -> type:
@@ -237,6 +260,11 @@ def export(module, path: str) -> None:
     remove_segment_ki(module.policy)
     sharded = is_sharded(module.policy)
     state = full_state_dict(module.policy, getattr(module, "compute_dtype", None)) if sharded else None
+    bad = [n for n, t in (state or module.policy.state_dict()).items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(f"the trained policy holds non-finite weights ({len(bad)} tensors, first {bad[0]}): "
+                         f"nothing is exported to {path}; resume from an earlier checkpoint")
     if module.global_rank == 0:   # every rank holds (or has just gathered) the same weights; one writes them
         module.policy.save_pretrained(path, state_dict=state)
         module.tokenizer.save_pretrained(path)
@@ -259,7 +287,14 @@ def main() -> None:
     def _entry(cfg) -> None:
         from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-        metrics = run(cfg)
+        from .lightning import TrainingInterrupted
+
+        try:
+            metrics = run(cfg)
+        except TrainingInterrupted as stop:
+            if rank_zero_only.rank == 0:
+                print(stop, file=sys.stderr, flush=True)
+            raise SystemExit(stop.code) from None
         if rank_zero_only.rank == 0:   # once, not once per rank
             log.info("segki: final metrics %s", metrics)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -83,6 +83,9 @@ class GracefulStop(Checkpoint):
         if not received:
             return
         signum = self._received or signal.SIGTERM   # a rank that got none stops with the one another rank got
+        keeper = trainer.checkpoint_callback
+        if isinstance(keeper, ModelCheckpoint) and keeper.save_last and Path(keeper.dirpath or "") == self.dirpath:
+            keeper.last_model_path = str(self.ckpt_path)   # its own "last": a resume then keeps writing it
         trainer.save_checkpoint(str(self.ckpt_path))
         raise TrainingInterrupted(int(signum), trainer.global_step, str(self.ckpt_path))
 

@@ -1,0 +1,251 @@
+"""Nothing lost, nothing let in (CPU): a checkpoint URL whose pickle would run code is refused and the code never
+runs; SIGTERM/SIGINT at a random step leave a checkpoint of the last finished step that resumes exactly, with exit
+status 128 + the signal; an infinite reward and a NaN gradient end the run with the step and the quantity named
+and nothing non-finite on disk; a checkpoint with flipped bits is refused; a save killed mid-write (``$TMPDIR``
+elsewhere) leaves a loadable ``last.ckpt`` and no orphans after the next save; the last ``save_top_k`` checkpoints
+are kept, a resumed run appends to ``metrics.csv``, and an unwritable ``export_dir`` fails before training."""
+from __future__ import annotations
+
+import csv
+import http.server
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from segki_lightning.lightning import CheckpointError, SafeCheckpointIO, TrainingInterrupted
+from segki_lightning.lightning.checkpoint_io import atomic_save
+from segki_lightning.rl.nonfinite import NonFiniteError
+from segki_lightning.rl.rewards import FormatRegex
+from segki_lightning.train import run
+
+from .test_lightning import small
+
+REWARD = "rewards.0.pattern='.*[a-m].*'"   # random completions earn it often: updates are never all zero
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Payload:
+    """Unpickling this creates the file at ``marker``: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def _serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
+    handler = lambda *a, **k: http.server.SimpleHTTPRequestHandler(*a, directory=str(folder), **k)   # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_a_checkpoint_url_never_runs_its_pickle(tmp_path):
+    marker = tmp_path / "payload_ran"
+    served = tmp_path / "served"
+    served.mkdir()
+    with open(served / "evil.ckpt", "wb") as f:
+        torch.save({"state_dict": {}, "surprise": _Payload(str(marker))}, f)
+    with open(served / "raw.pkl", "wb") as f:
+        pickle.dump(_Payload(str(marker)), f)
+    server, url = _serve(served)
+    try:
+        for name in ("evil.ckpt", "raw.pkl"):
+            with pytest.raises(CheckpointError, match="cannot be loaded as weights only"):
+                SafeCheckpointIO().load_checkpoint(f"{url}/{name}")
+        with pytest.raises(CheckpointError):
+            run(small(tmp_path / "run", f"ckpt_path={url}/evil.ckpt"))
+    finally:
+        server.shutdown()
+    assert not marker.exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()   # refused before any step
+
+
+_fired = {"calls": 0}
+
+
+def signal_at(prompts, completions, **columns):
+    """A reward that sends this process ``SEGKI_TEST_SIGNAL`` on its ``SEGKI_TEST_SIGNAL_AT``-th call (mid-step)."""
+    _fired["calls"] += 1
+    if _fired["calls"] == int(os.environ["SEGKI_TEST_SIGNAL_AT"]):
+        os.kill(os.getpid(), int(os.environ["SEGKI_TEST_SIGNAL"]))
+    return FormatRegex(".*[a-m].*")(prompts, completions)
+
+
+def _state(path: Path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_checkpoints_the_last_step_and_the_resume_is_exact(tmp_path, monkeypatch, signum):
+    at = random.Random(int(signum)).randint(1, 4)
+    monkeypatch.setenv("SEGKI_TEST_SIGNAL_AT", str(at))
+    monkeypatch.setenv("SEGKI_TEST_SIGNAL", str(int(signum)))
+    _fired["calls"] = 0
+    rewards = "rewards=[tests.test_reliability.signal_at]"
+    a, straight = tmp_path / "stopped", tmp_path / "straight"
+    common = ("trainer.max_steps=5", "checkpoint.every_n_train_steps=100", "algo.reward_weights=null", rewards)
+    with pytest.raises(TrainingInterrupted) as stop:
+        run(small(a, *common))
+    assert stop.value.code == 128 + signum and stop.value.step == at
+    assert signal.getsignal(signum) is not None and _state(a / "checkpoints" / "last.ckpt")["global_step"] == at
+    monkeypatch.setenv("SEGKI_TEST_SIGNAL_AT", "0")   # no more signals
+    run(small(a, *common, f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}"))
+    run(small(straight, *common))
+    got, want = _state(a / "checkpoints" / "last.ckpt"), _state(straight / "checkpoints" / "last.ckpt")
+    assert got["global_step"] == want["global_step"] == 5
+    for key, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][key], value), key
+
+
+def test_segki_train_says_where_the_checkpoint_is_and_exits_143(tmp_path):
+    env = {**os.environ, "SEGKI_TEST_SIGNAL_AT": "2", "SEGKI_TEST_SIGNAL": str(int(signal.SIGTERM)),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo", "trainer.max_steps=5",
+           "trainer.enable_progress_bar=false", "task.prompts_per_step=2", "algo.num_generations=2",
+           "algo.max_completion_length=3", "algo.reward_weights=null", "rewards=[tests.test_reliability.signal_at]",
+           f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert f"stopped by SIGTERM after step 2; its checkpoint is {ckpt}" in proc.stderr
+    assert _state(ckpt)["global_step"] == 2
+
+
+def infinite_reward(prompts, completions, **columns):
+    return [float("inf")] + [0.5] * (len(completions) - 1)
+
+
+def _no_nan_on_disk(root: Path) -> None:
+    for path in root.rglob("*.ckpt"):
+        for t in _state(path)["state_dict"].values():
+            assert torch.isfinite(t).all(), path
+
+
+def test_an_infinite_reward_stops_the_run_naming_it(tmp_path):
+    export = tmp_path / "export"
+    with pytest.raises(NonFiniteError, match=r"step 0: reward function infinite_reward returned inf for 1 of 4"):
+        run(small(tmp_path, "rewards=[tests.test_reliability.infinite_reward]", "algo.reward_weights=null",
+                  f"export_dir={export}", "checkpoint.every_n_train_steps=1"))
+    _no_nan_on_disk(tmp_path)
+    assert not list(export.iterdir())
+
+
+def test_skip_step_skips_and_counts(tmp_path):
+    run(small(tmp_path, "rewards=[tests.test_reliability.infinite_reward]", "algo.reward_weights=null",
+              "algo.on_nonfinite=skip_step", "checkpoint.every_n_train_steps=1"))
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/nonfinite_skipped")]
+    assert [float(r["train/nonfinite_skipped"]) for r in rows] == [1.0, 2.0]
+    _no_nan_on_disk(tmp_path)
+
+
+def _nan_grad_class():
+    """The recipe's GRPO module whose second step's gradients get a NaN (``module=tests.test_reliability.NaNGrad``)."""
+    from segki_lightning.rl import GRPOModule
+
+    class NaNGrad(GRPOModule):
+        def on_after_backward(self) -> None:
+            if self.global_step == 1:
+                p = next(p for p in self.parameters() if p.grad is not None)
+                p.grad.view(-1)[0] = float("nan")
+
+    return NaNGrad
+
+
+NaNGrad = _nan_grad_class()
+
+
+def test_a_nan_gradient_stops_the_run_before_the_optimizer_step(tmp_path):
+    with pytest.raises(NonFiniteError, match="step 1: the gradient norm is not finite"):
+        run(small(tmp_path, "module=tests.test_reliability.NaNGrad", "checkpoint.every_n_train_steps=1",
+                  "trainer.max_steps=3", REWARD))
+    assert _state(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 1
+    _no_nan_on_disk(tmp_path)
+
+
+def test_a_checkpoint_with_flipped_bits_is_refused(tmp_path):
+    run(small(tmp_path, "checkpoint.every_n_train_steps=1", REWARD))
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    with zipfile.ZipFile(ckpt) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(ckpt.read_bytes())
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)   # the record's data
+    size = min(4096, info.file_size)
+    raw[start:start + size] = bytes(b ^ 0xFF for b in raw[start:start + size])
+    ckpt.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="is damaged"):
+        SafeCheckpointIO().load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match="is damaged"):
+        run(small(tmp_path / "resumed", f"ckpt_path={ckpt}", "trainer.max_steps=3"))
+
+
+def test_non_finite_weights_in_a_checkpoint_are_refused(tmp_path):
+    path = tmp_path / "c.ckpt"
+    SafeCheckpointIO().save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}}, path)
+    with pytest.raises(CheckpointError, match="non-finite values in state_dict.w"):
+        SafeCheckpointIO().load_checkpoint(path)
+
+
+_WRITER = """
+import sys, torch
+from pathlib import Path
+from segki_lightning.lightning.checkpoint_io import atomic_save
+path, i = Path(sys.argv[1]), 0
+print("ready", flush=True)
+while True:
+    i += 1
+    atomic_save({"step": i, "w": torch.full((5_000_000,), float(i))}, path)
+"""
+
+
+def test_a_save_killed_mid_write_leaves_a_loadable_last_ckpt(tmp_path):
+    """SIGKILL at random moments while a 20 MB checkpoint is saved over and over, with $TMPDIR on another folder:
+    last.ckpt always loads complete, nothing lands in $TMPDIR, and the next save removes the killed one's leftover."""
+    target, tmpdir = tmp_path / "ckpt" / "last.ckpt", tmp_path / "elsewhere"
+    tmpdir.mkdir()
+    atomic_save({"step": 0, "w": torch.zeros(5_000_000)}, target)
+    env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    rng = random.Random(0)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)], env=env, stdout=subprocess.PIPE,
+                                text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        threading.Event().wait(rng.uniform(0.2, 0.8))
+        proc.kill()
+        proc.wait()
+        got = torch.load(target, weights_only=True)
+        assert got["w"].shape == (5_000_000,) and bool((got["w"] == got["step"]).all())
+    assert not list(tmpdir.iterdir())
+    atomic_save({"step": -1, "w": torch.zeros(1)}, target)
+    assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]
+
+
+def test_the_last_checkpoints_are_kept_and_a_resume_appends_metrics(tmp_path):
+    run(small(tmp_path, "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=2", REWARD))
+    run(small(tmp_path, "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=2", "trainer.max_steps=4",
+              f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}", REWARD))
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["last.ckpt", "step-000003.ckpt", "step-000004.ckpt"]
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_an_unwritable_export_dir_fails_before_training(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(ValueError, match="export_dir=.* is not a writable folder"):
+        run(small(tmp_path / "run", f"export_dir={blocked / 'out'}"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
