@@ -84,8 +84,14 @@ def test_chunked_equals_plain_values_and_gradients(tmp_path, tied, temperature, 
     seed = int(torch.randint(0, 2**31 - 1, ()))
     got = completion_logprobs(model, *batch, temperature=temperature, value_head=head, chunk=chunk)
     want = plain(model, *batch, temperature, head)
+    assert_scores_and_gradients_close(model, got, want, seed, TOL)
+
+
+def assert_scores_and_gradients_close(model, got, want, seed, tol):
+    """Each score tensor within ``tol``; the parameter gradients of the same random weighting of both within
+    :func:`assert_grad_close` (a parameter no score reaches gets none or a zero one)."""
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **TOL)
+        torch.testing.assert_close(g, w, **tol)
     torch.manual_seed(seed)
     g_got, _ = grads(model, *got)
     torch.manual_seed(seed)

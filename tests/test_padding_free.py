@@ -12,7 +12,7 @@ from segki_lightning.ops import varlen
 from segki_lightning.rl.logprobs import completion_logprobs, packs
 from segki_lightning.rl.update import micro_batches
 
-from .test_logprobs import TOL_LAYOUT, assert_grad_close, grads, ragged_batch
+from .test_logprobs import TOL_LAYOUT, assert_scores_and_gradients_close, ragged_batch
 from .tiny_models import build_model
 
 
@@ -26,16 +26,7 @@ def test_packed_scores_and_gradients_equal_padded(tmp_path, rows):
     seed = int(torch.randint(0, 2**31 - 1, ()))
     want = completion_logprobs(model, *batch, value_head=head)
     got = completion_logprobs(model, *batch, value_head=head, packed=True)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **TOL_LAYOUT)
-    torch.manual_seed(seed)
-    g_got, _ = grads(model, *got)
-    torch.manual_seed(seed)
-    g_want, _ = grads(model, *want)
-    assert sum(g is not None for g in g_want) > 10
-    for (name, _), a, b in zip(model.named_parameters(), g_got, g_want):
-        if b is not None:
-            assert_grad_close(a, b, name)
+    assert_scores_and_gradients_close(model, got, want, seed, TOL_LAYOUT)
     remove_segment_ki(model)
 
 
