@@ -249,3 +249,19 @@ def test_an_unwritable_export_dir_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="export_dir=.* is not a writable folder"):
         run(small(tmp_path / "run", f"export_dir={blocked / 'out'}"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    from types import SimpleNamespace
+
+    from segki_lightning.rl.model import tiny_qwen35
+    from segki_lightning.rl.task import char_tokenizer
+    from segki_lightning.train import export
+
+    tok = char_tokenizer()
+    policy = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id)
+    with torch.no_grad():
+        next(policy.parameters()).view(-1)[3] = float("inf")
+    with pytest.raises(ValueError, match="non-finite weights .* nothing is exported"):
+        export(SimpleNamespace(policy=policy, tokenizer=tok, global_rank=0), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
