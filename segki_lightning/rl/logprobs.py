@@ -198,12 +198,17 @@ def _packed_forward(model: nn.Module, pack: _Packed) -> Tensor:
 
 
 _PACKS = "_segki_packs"
+# the worst token's relative error of the probe, fp32/fp64 and half precision: a row that sees the row before it
+# (a conv window, attention or a recurrent state reaching across) is off by O(1) at its first tokens; kernels that
+# differ only in rounding stay within ~1e-6 (fp32) and a few % (bf16, 24 layers)
+_PACK_TOL = {True: 1e-3, False: 0.1}
 
 
 @torch.no_grad()
 def packs(model: nn.Module, injected: bool) -> bool:
     """Whether ``model``'s forward runs packed rows as if each ran alone: two random rows (7 and 12 tokens) packed
-    against each one by itself, once per model and injection state (eval mode), within the rounding of its dtype.
+    against each one by itself, once per model and injection state (eval mode), every token's last hidden state
+    within the rounding of its dtype (:data:`_PACK_TOL`).
     Transformers' own layers keep packed rows apart only with flash-attention and fla's varlen kernels, so where
     it says no (the switches off, a model this package does not fuse), training pads; one line says so."""
     known = model.__dict__.get(_PACKS)
@@ -224,8 +229,9 @@ def packs(model: nn.Module, injected: bool) -> bool:
         pack = _Packed(torch.cat(rows)[None], torch.cat([torch.arange(7), torch.arange(12)]).to(device)[None], cu, 12,
                        cu[:-1, None].long())
         got = through_root(model, lambda: _packed_forward(model, pack)).float()
-        tol = 1e-4 if head.weight.dtype in (torch.float32, torch.float64) else 2e-2
-        ok, why = bool(((got - want).norm() <= tol * want.norm()).item()), "its packed rows differ from the rows alone"
+        err = ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).max().item()   # the worst token
+        ok, why = err <= _PACK_TOL[head.weight.dtype in (torch.float32, torch.float64)], (
+            f"its packed rows differ from the rows alone (a token's relative error {err:.2g})")
     except Exception as err:   # a forward that refuses the keywords or the mask mapping
         ok, why = False, f"its forward refuses packed rows ({type(err).__name__}: {err})"
     finally:
