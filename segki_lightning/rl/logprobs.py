@@ -160,8 +160,9 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
 
 class _Packed(NamedTuple):
     """Rows laid end to end, real tokens only: ``ids`` and ``positions`` (each token's place in its row) ``[1, M]``,
-    ``cu [R + 1]`` int32 row offsets (flash-attention's ``cu_seqlens``), the longest row, and ``take [N, T]``: where
-    the hidden state that predicts each completion token sits in ``M``."""
+    ``cu [R + 1]`` int64 row offsets (flash-attention's ``cu_seqlens``; one tensor for every layer of a pass, which
+    fla's varlen kernels key their chunk plans on), the longest row, and ``take [N, T]``: where the hidden state that
+    predicts each completion token sits in ``M``."""
 
     ids: Tensor
     positions: Tensor
@@ -177,9 +178,8 @@ def _pack(lay: _Layout, prompt_mask: Tensor, completion_mask: Tensor) -> _Packed
         return None
     lengths = prompt_mask.sum(1) + completion_mask.sum(1)                       # [N]
     keep = torch.arange(lay.ids.shape[1], device=lay.ids.device)[None, :] < lengths[:, None]   # [N, L]
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)                       # [N + 1]
-    return _Packed(lay.ids[keep][None], lay.positions[keep][None], cu, int(lengths.max()),
-                   cu[:-1, None].long() + lay.take)
+    cu = F.pad(lengths.cumsum(0), (1, 0))                                       # [N + 1] int64
+    return _Packed(lay.ids[keep][None], lay.positions[keep][None], cu, int(lengths.max()), cu[:-1, None] + lay.take)
 
 
 def no_masks(model: nn.Module) -> dict[str, None]:
@@ -225,9 +225,9 @@ def packs(model: nn.Module, injected: bool) -> bool:
             return model.base_model(input_ids=ids[None], use_cache=False).last_hidden_state[0]
 
         want = torch.cat([through_root(model, lambda r=r: alone(r)) for r in rows]).float()
-        cu = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
+        cu = torch.tensor([0, 7, 19], device=device)
         pack = _Packed(torch.cat(rows)[None], torch.cat([torch.arange(7), torch.arange(12)]).to(device)[None], cu, 12,
-                       cu[:-1, None].long())
+                       cu[:-1, None])
         got = through_root(model, lambda: _packed_forward(model, pack)).float()
         err = ((got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-6)).max().item()   # the worst token
         ok, why = err <= _PACK_TOL[head.weight.dtype in (torch.float32, torch.float64)], (

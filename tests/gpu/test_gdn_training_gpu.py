@@ -3,8 +3,8 @@ dq/dk/dw/dg where fla refuses this Triton) against transformers' torch chunk rul
 gradient at the Qwen3.5 0.8B and 4B GDN shapes, equal lengths and packed rows -- and padding-free training passes
 against padded ones at the 0.8B shape (scores, gradients, one GRPO micro-batch step).
 
-Tolerances (relative norm error): fp32 inputs 2e-3 (fla's matrix products run in tf32), bf16 inputs 2e-2 (fla keeps
-bf16 intermediates, the torch rule fp32)."""
+Tolerances (relative norm error): fp32 inputs 5e-3 (fla's matrix products run in tf32), bf16 inputs 2e-2 (fla keeps
+bf16 intermediates, the torch rule fp32), as flash-linear-attention's own tests of this rule."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +15,7 @@ from segki_lightning.ops.gdn_chunk import TORCH, training_path
 from segki_lightning.ops.reference import gdn_chunked
 
 pytestmark = pytest.mark.gpu
-TOL = {torch.float32: 2e-3, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
 SHAPES = {"0.8b": (16, 16), "4b": (16, 32)}   # (key heads, value heads), head dims 128
 
 
