@@ -46,9 +46,12 @@ def test_the_training_path_is_fla():
     assert training_path() != TORCH, training_path()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("lengths", [None, [300, 64, 1, 517, 130]], ids=["equal", "packed"])
+CASES = [pytest.param(torch.bfloat16, shape, lengths, id=f"bf16-{shape}-{name}") for shape in SHAPES
+         for name, lengths in (("equal", None), ("packed", [300, 64, 1, 517, 130]))]
+CASES.append(pytest.param(torch.float32, "0.8b", None, id="fp32-0.8b-equal"))
+
+
+@pytest.mark.parametrize("dtype,shape,lengths", CASES)
 def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
     hk, hv = SHAPES[shape]
     seed = int(torch.randint(0, 2**31 - 1, ()))
