@@ -10,6 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+if not torch.cuda.is_available():   # one skip line for the module, not one per case
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
 from segki_lightning.ops import varlen
 from segki_lightning.ops.gdn_chunk import TORCH, training_path
 from segki_lightning.ops.reference import gdn_chunked

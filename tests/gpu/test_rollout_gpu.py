@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+if not torch.cuda.is_available():   # one skip line for the module, not one per case
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
 from segki_lightning import RolloutEngine, SamplingConfig, apply_segment_ki
 
 pytestmark = pytest.mark.gpu

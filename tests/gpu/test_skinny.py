@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+if not torch.cuda.is_available():   # one skip line for the module, not one per case
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
 from segki_lightning.ops import dispatch, reference as R
 from segki_lightning.ops.extension import native_ops
 
