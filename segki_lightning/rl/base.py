@@ -122,7 +122,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
 
         rank_zero_warn(f"segki: {msg}; the step is skipped (algo.on_nonfinite=skip_step)")
         self.zero_grad(set_to_none=True)
-        if "reward" in str(err):
+        if err.of_rollout:
             self._buffer = None
         self._nonfinite_skipped += 1
         self.log("train/nonfinite_skipped", float(self._nonfinite_skipped), reduce_fx="max")

@@ -11,7 +11,11 @@ from torch import Tensor
 
 
 class NonFiniteError(RuntimeError):
-    """A reward, loss or gradient that is inf or NaN."""
+    """A reward, loss or gradient that is inf or NaN; ``of_rollout``: the rollout itself is unusable (its rewards)."""
+
+    def __init__(self, message: str, of_rollout: bool = False):
+        super().__init__(message)
+        self.of_rollout = of_rollout
 
 
 def check_rewards(table: list[list[float]], labels: list[str]) -> None:
@@ -19,7 +23,8 @@ def check_rewards(table: list[list[float]], labels: list[str]) -> None:
     for label, values in zip(labels, table):
         bad = sum(math.isinf(v) for v in values)
         if bad:
-            raise NonFiniteError(f"reward function {label} returned inf for {bad} of {len(values)} completions")
+            raise NonFiniteError(f"reward function {label} returned inf for {bad} of {len(values)} completions",
+                                 of_rollout=True)
 
 
 def check(name: str, value: Tensor) -> None:
