@@ -254,7 +254,8 @@ def main() -> None:
               "the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
             "rollout_s", *(f"{part}_s" for part in RolloutStats.PARTS), "train_s",
-            *(f"{part}_s" for part in STEP_PARTS), "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "mfu", "tok_s_vs_off", "tok_s_vs_1gpu",
+            *(f"{part}_s" for part in STEP_PARTS), "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "mfu",
+            "tok_s_vs_off", "tok_s_vs_1gpu",
             "weights_identical", "first_step_s", "completion_len", "clip_ratio_max", "logprob_diff_mean",
             "logprob_diff_max", "kl_sampler_trainer", "error"]
     write_results(args.out, "grpo_gpu", rows, cols, header)
