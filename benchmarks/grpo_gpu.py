@@ -249,9 +249,11 @@ def main() -> None:
     header = (f"# GRPO recipe, Qwen3.5 shapes (random bf16), G=8, {torch.cuda.get_device_name()}, "
               f"flash-linear-attention {fla}\n\nCommand: `python benchmarks/grpo_gpu.py {cmd}`. Over the steps "
               f"after the first {args.warm}: median times per step (per rollout and the steps reusing it), median "
-              f"tokens/s (summed over ranks); MFU is the "
-              "training part's per GPU (6 x parameters x trained tokens / (step - rollout time) / GPUs / 989 TFLOP/s); peak GiB is "
-              "the largest per-step peak of allocated GPU memory.")
+              "tokens/s (summed over ranks); mfu_train is the training part's per GPU (6 x parameters x trained "
+              "tokens / (step - rollout time) / GPUs / 989 TFLOP/s), mfu the run's time/train_tflops (model FLOPs on "
+              "real tokens, attention and Gated-DeltaNet products counted) / 989 TFLOP/s; update_s, old_logprob_s and "
+              "reference_s are the step's training passes; peak GiB is the largest per-step peak of allocated GPU "
+              "memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
             "rollout_s", *(f"{part}_s" for part in RolloutStats.PARTS), "train_s",
             *(f"{part}_s" for part in STEP_PARTS), "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "mfu",
