@@ -250,6 +250,24 @@ def use_strategy(trainer_kw: dict) -> None:
         trainer_kw["precision"] = "32-true"
 
 
+def nonfinite_weights(model: torch.nn.Module, sharded: bool) -> str:
+    """Which floating-point weights of ``model`` hold inf or NaN ('' for none). Each rank reads its own shards
+    (no gathering); under FSDP the ranks then agree (a collective: every rank calls this), so all raise or none."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    bad = [n for n, t in tensors if t.is_floating_point()
+           and not bool(torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all())]
+    if sharded:
+        import torch.distributed as dist
+
+        count = torch.tensor([len(bad)], device=next(model.parameters()).device)
+        dist.all_reduce(count)
+        return f"{int(count)} tensor shards, first here {bad[0]}" if bad else (f"{int(count)} tensor shards on other "
+                                                                                "ranks" if int(count) else "")
+    return f"{len(bad)} tensors, first {bad[0]}" if bad else ""
+
+
 def export(module, path: str) -> None:
     """Write the trained policy (and tokenizer) with ``save_pretrained``; it reloads with
     ``AutoModelForCausalLM.from_pretrained``. A sharded (FSDP) policy is gathered first (a collective: every
@@ -259,12 +277,11 @@ def export(module, path: str) -> None:
 
     remove_segment_ki(module.policy)
     sharded = is_sharded(module.policy)
-    state = full_state_dict(module.policy, getattr(module, "compute_dtype", None)) if sharded else None
-    bad = [n for n, t in (state or module.policy.state_dict()).items()
-           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = nonfinite_weights(module.policy, sharded)
     if bad:
-        raise ValueError(f"the trained policy holds non-finite weights ({len(bad)} tensors, first {bad[0]}): "
-                         f"nothing is exported to {path}; resume from an earlier checkpoint")
+        raise ValueError(f"the trained policy holds non-finite weights ({bad}): nothing is exported to {path}; "
+                         "resume from an earlier checkpoint")
+    state = full_state_dict(module.policy, getattr(module, "compute_dtype", None)) if sharded else None
     if module.global_rank == 0:   # every rank holds (or has just gathered) the same weights; one writes them
         module.policy.save_pretrained(path, state_dict=state)
         module.tokenizer.save_pretrained(path)
