@@ -265,3 +265,23 @@ def test_export_refuses_non_finite_weights(tmp_path):
     with pytest.raises(ValueError, match="non-finite weights .* nothing is exported"):
         export(SimpleNamespace(policy=policy, tokenizer=tok, global_rank=0), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def signal_on_rank0_at(prompts, completions, **columns):
+    """:func:`signal_at`, on global rank 0 only: the other rank learns of it at the step's end."""
+    if os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0":
+        return signal_at(prompts, completions)
+    return FormatRegex(".*[a-m].*")(prompts, completions)
+
+
+def test_under_ddp_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path):
+    env = {**os.environ, "SEGKI_TEST_SIGNAL_AT": "2", "SEGKI_TEST_SIGNAL": str(int(signal.SIGTERM)),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "segki_lightning.train", "--config-name", "grpo", "trainer.max_steps=5",
+           "trainer.strategy=ddp", "trainer.devices=2", "trainer.enable_progress_bar=false", "task.prompts_per_step=2",
+           "algo.num_generations=2", "algo.max_completion_length=3", "algo.reward_weights=null",
+           "rewards=[tests.test_reliability.signal_on_rank0_at]", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    assert "stopped by SIGTERM after step 2" in proc.stderr
+    assert _state(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 2
