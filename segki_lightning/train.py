@@ -258,14 +258,14 @@ def nonfinite_weights(model: torch.nn.Module, sharded: bool) -> str:
     tensors = [*model.named_parameters(), *model.named_buffers()]
     bad = [n for n, t in tensors if t.is_floating_point()
            and not bool(torch.isfinite(t.to_local() if isinstance(t, DTensor) else t).all())]
+    total = len(bad)
     if sharded:
         import torch.distributed as dist
 
-        count = torch.tensor([len(bad)], device=next(model.parameters()).device)
+        count = torch.tensor([total], device=next(model.parameters()).device)
         dist.all_reduce(count)
-        return f"{int(count)} tensor shards, first here {bad[0]}" if bad else (f"{int(count)} tensor shards on other "
-                                                                                "ranks" if int(count) else "")
-    return f"{len(bad)} tensors, first {bad[0]}" if bad else ""
+        total = int(count)
+    return f"{total} tensors" + (f", first {bad[0]}" if bad else " on other ranks") if total else ""
 
 
 def export(module, path: str) -> None:

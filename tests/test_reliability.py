@@ -23,6 +23,7 @@ import torch
 
 from segki_lightning.lightning import CheckpointError, SafeCheckpointIO, TrainingInterrupted
 from segki_lightning.lightning.checkpoint_io import atomic_save
+from segki_lightning.rl import GRPOModule
 from segki_lightning.rl.nonfinite import NonFiniteError
 from segki_lightning.rl.rewards import FormatRegex
 from segki_lightning.train import run
@@ -150,20 +151,13 @@ def test_skip_step_skips_and_counts(tmp_path):
     _no_nan_on_disk(tmp_path)
 
 
-def _nan_grad_class():
+class NaNGrad(GRPOModule):
     """The recipe's GRPO module whose second step's gradients get a NaN (``module=tests.test_reliability.NaNGrad``)."""
-    from segki_lightning.rl import GRPOModule
 
-    class NaNGrad(GRPOModule):
-        def on_after_backward(self) -> None:
-            if self.global_step == 1:
-                p = next(p for p in self.parameters() if p.grad is not None)
-                p.grad.view(-1)[0] = float("nan")
-
-    return NaNGrad
-
-
-NaNGrad = _nan_grad_class()
+    def on_after_backward(self) -> None:
+        if self.global_step == 1:
+            p = next(p for p in self.parameters() if p.grad is not None)
+            p.grad.view(-1)[0] = float("nan")
 
 
 def test_a_nan_gradient_stops_the_run_before_the_optimizer_step(tmp_path):

@@ -191,13 +191,9 @@ def training_path() -> str:
 
 
 def _probe_path() -> tuple[str, str]:
-    try:
-        import fla.backends  # noqa: F401
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
-    except ImportError as err:   # not installed, or no Triton
-        return TORCH, f"flash-linear-attention is not usable ({err}); pip install -e '.[gpu]' for the fused kernels"
-    except Exception as err:   # an fla/Triton combination that fails at import
-        return TORCH, f"flash-linear-attention failed to import ({type(err).__name__}: {err})"
+    why = _fla_import_error()
+    if why:
+        return TORCH, why
     if not torch.cuda.is_available() or not _fla_refuses():
         return FLA, ""
     if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
@@ -212,14 +208,17 @@ def _probe_path() -> tuple[str, str]:
 def fla_runs(needs_grad: bool) -> bool:
     """Whether a CUDA chunk rule runs fla's kernels: where its backward trains here, or without gradients wherever
     fla imports."""
-    path = training_path()
-    return path != TORCH or (not needs_grad and _fla_imports())
+    return training_path() != TORCH or (not needs_grad and not _fla_import_error())
 
 
 @cache
-def _fla_imports() -> bool:
+def _fla_import_error() -> str:
+    """Why fla's gated delta rule cannot be imported here ('' when it can)."""
     try:
+        import fla.backends  # noqa: F401
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except ImportError as err:   # not installed, or no Triton
+        return f"flash-linear-attention is not usable ({err}); pip install -e '.[gpu]' for the fused kernels"
+    except Exception as err:   # an fla/Triton combination that fails at import
+        return f"flash-linear-attention failed to import ({type(err).__name__}: {err})"
+    return ""

@@ -47,15 +47,27 @@ def causal_conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens:
     ``W - 1`` zeros, so that no row's window reaches into the row before it, and gathered back after the conv."""
     gap = weight.shape[-1] - 1
     if cu_seqlens is not None and gap > 0:
-        rows = len(cu_seqlens) - 1
-        row_of = torch.repeat_interleave(torch.arange(rows, device=x.device),
-                                         (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.device))       # [M]
-        dest = torch.arange(x.shape[1], device=x.device) + gap * (row_of + 1)                    # [M]
-        spread = x.new_zeros(1, x.shape[1] + gap * rows, x.shape[2]).index_copy(1, dest, x)      # [1, M + gap R, C]
+        dest = _spread(cu_seqlens, gap, x.device)                                               # [M]
+        width = x.shape[1] + gap * (len(cu_seqlens) - 1)
+        spread = x.new_zeros(1, width, x.shape[2]).index_copy(1, dest, x)                        # [1, M + gap R, C]
         return causal_conv_silu(spread, weight, bias).index_select(1, dest)
     t = x.shape[1]
     y = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight, bias, padding=gap, groups=x.shape[-1])[..., :t]
     return F.silu(y).to(x.dtype).transpose(1, 2)                                                 # [B, T, C]
+
+
+_SPREAD: list = [None, 0, None]   # (cu_seqlens, gap, index) of the last call: every GDN layer of a pass shares them
+
+
+def _spread(cu_seqlens: Tensor, gap: int, device: torch.device) -> Tensor:
+    """Where each packed token goes when ``gap`` zeros precede every row ``[M]``; computed once per ``cu_seqlens``
+    tensor (one host sync), as fla keys its chunk plans."""
+    if _SPREAD[0] is not cu_seqlens or _SPREAD[1] != gap:
+        rows = len(cu_seqlens) - 1
+        row_of = torch.repeat_interleave(torch.arange(rows, device=device),
+                                         (cu_seqlens[1:] - cu_seqlens[:-1]).to(device))         # [M]
+        _SPREAD[:] = [cu_seqlens, gap, torch.arange(len(row_of), device=device) + gap * (row_of + 1)]
+    return _SPREAD[2]
 
 
 @cache

@@ -43,6 +43,11 @@ class Scored:
     rollout_s: float
 
 
+def row_lengths(ro: RolloutBatch, rows: Tensor) -> Tensor:
+    """``[n]`` real tokens (prompt + completion) of rows ``rows`` of a rollout."""
+    return ro.prompt_mask[rows].sum(1) + ro.completion_mask[rows].sum(1)
+
+
 class RLModule(SegKIRolloutMixin, pl.LightningModule):
     """Base of the RL LightningModules: ``self.policy`` trained in place, rollouts from the same weights."""
 
@@ -97,7 +102,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         mask = buf.data["mask"][rows]
         totals = Totals.of(mask)
         ro = buf.scored.batch
-        self._last_train_tokens = int(ro.prompt_mask[rows].sum() + ro.completion_mask[rows].sum())
+        self._last_train_tokens = int(row_lengths(ro, rows).sum())
         self._times["update"] = -self._now()   # completed in on_train_batch_end, after the optimizer step
         self._count_flops(ro, rows)
 
@@ -174,7 +179,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """Pieces of ``rows`` of at most ``micro_batch_size`` rows and ``micro_batch_tokens`` tokens (real tokens
         when ``model`` runs them packed, rows x the longest otherwise)."""
         c = self.cfg
-        lengths = ro.prompt_mask[rows].sum(1) + ro.completion_mask[rows].sum(1) if c.micro_batch_tokens else None
+        lengths = row_lengths(ro, rows) if c.micro_batch_tokens else None
         return micro_batches(rows, c.micro_batch_size, c.micro_batch_tokens, lengths, self.packed(model))
 
     def packed(self, model: nn.Module) -> bool:
@@ -186,7 +191,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """Add the model FLOPs of a training pass (``passes=1/3``: a forward alone) over ``rows`` to this step's."""
         if self._flop_shape is None:
             self._flop_shape = FlopShape.of(self.policy)
-        lengths = (ro.prompt_mask[rows].sum(1) + ro.completion_mask[rows].sum(1)).tolist()
+        lengths = row_lengths(ro, rows).tolist()
         self._step_flops += passes * self._flop_shape.training(lengths, int(ro.completion_mask[rows].sum()))
 
     def _now(self) -> float:
