@@ -1,0 +1,142 @@
+"""Where a training micro-batch's time goes: one GRPO-style pass (completion log-probs, a loss on them, its backward)
+of a Qwen3.5-shape model with random weights, segki injected as the callback injects it, timed forward-only (the
+old-log-prob / reference pass) and forward + backward (the update), then one forward + backward under the torch
+profiler: the kernels that take the time, grouped into families (GDN chunk kernels, matrix products, attention,
+norms and element-wise work, the log-prob head), with their share and the pass's MFU on real tokens.
+
+    python benchmarks/profile_train.py --out DIR [--shape 0.8b] [--rows 32] [--tokens 1024] [--ckpt] [--mixed]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from common import qwen35_config
+
+PROMPT = 4
+# kernel-name patterns -> family, first match wins (names as the profiler reports CUDA kernels)
+FAMILIES = [
+    ("gdn chunk (fla)", r"chunk|solve_tril|wy_fast|recompute_w_u|fused_recurrent|l2norm|cumsum|kkt"),
+    ("attention", r"flash|fmha|attention|sdpa|varlen"),
+    ("matrix products", r"gemm|gemv|cutlass|sm90_xmma|nvjet|cublas|wgmma"),
+    ("conv", r"conv"),
+    ("copies, casts, element-wise", r"elementwise|vectorized|copy|cast|fill|where|index|gather|scatter|cat"),
+    ("reductions, norms", r"reduce|norm|softmax|logsumexp|sum"),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    return next((f for f, pat in FAMILIES if re.search(pat, low)), "other")
+
+
+def batch(rows: int, tokens: int, mixed: bool, vocab: int, gen: torch.Generator):
+    """Prompt ids/mask ``[rows, PROMPT]``, completion ids/mask ``[rows, tokens]``; ``mixed``: completion lengths
+    drawn between 10 % and 100 % of ``tokens`` (mean about half), as benchmarks/bench_modules.py's case."""
+    lengths = (torch.randint(tokens // 10, tokens + 1, (rows,), generator=gen) if mixed
+               else torch.full((rows,), tokens))
+    cm = (torch.arange(tokens)[None, :] < lengths[:, None]).long()
+    pm = torch.ones(rows, PROMPT, dtype=torch.long)
+    ids_p = torch.randint(2, vocab, pm.shape, generator=gen)
+    ids_c = torch.randint(2, vocab, cm.shape, generator=gen) * cm
+    return [t.cuda() for t in (ids_p, pm, ids_c, cm)], [PROMPT + int(n) for n in lengths]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shape", default="0.8b")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--ckpt", action="store_true", help="activation checkpointing of the decoder layers")
+    ap.add_argument("--mixed", action="store_true", help="completion lengths 10-100 %% of --tokens")
+    ap.add_argument("--padded", action="store_true", help="rows padded, not packed")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    from transformers import Qwen3_5ForCausalLM
+
+    from segki_lightning.inject import apply_segment_ki
+    from segki_lightning.ops.gdn_chunk import training_path
+    from segki_lightning.rl.flops import FlopShape, peak_flops
+    from segki_lightning.rl.logprobs import completion_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(qwen35_config(args.shape)).to(torch.bfloat16).cuda().train()
+    apply_segment_ki(model)
+    if args.ckpt:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    tensors, lengths = batch(args.rows, args.tokens, args.mixed, model.config.vocab_size, torch.Generator().manual_seed(1))
+    mask = tensors[3]
+
+    def forward() -> torch.Tensor:
+        s = completion_logprobs(model, *tensors, packed=not args.padded)
+        return (s.logp * mask).sum() / mask.sum()
+
+    def update() -> None:
+        forward().backward()
+        model.zero_grad(set_to_none=True)
+
+    def timed(fn, grad: bool) -> float:
+        times = []
+        for _ in range(args.repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.set_grad_enabled(grad):
+                a.record()
+                fn()
+                b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+
+    update()   # autotuning, compilation
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_s, upd_s = timed(forward, False), timed(update, True)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    print(f"forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, peak {peak:.1f} GiB", flush=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        update()
+        torch.cuda.synchronize()
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0 and e.key and not e.key.startswith(("cudaLaunch", "cudaMemcpy", "ProfilerStep")):
+            kernels[e.key][0] += e.count
+            kernels[e.key][1] += us / 1e3
+    total_ms = sum(ms for _, ms in kernels.values())
+    fams = defaultdict(float)
+    for name, (_, ms) in kernels.items():
+        fams[family(name)] += ms
+    flops = FlopShape.of(model).training(lengths, int(mask.sum()))
+    peak_tf = peak_flops(torch.device("cuda"))
+    res = dict(shape=args.shape, rows=args.rows, tokens=args.tokens, ckpt=args.ckpt, mixed=args.mixed,
+               packed=not args.padded, real_tokens=sum(lengths), path=training_path(),
+               device=torch.cuda.get_device_name(), forward_s=round(fwd_s, 4), update_s=round(upd_s, 4),
+               peak_gib=round(peak, 2), model_tflop=round(flops / 1e12, 1),
+               mfu=round(flops / upd_s / peak_tf, 3) if peak_tf else None, kernel_ms=round(total_ms, 1),
+               families={f: round(ms, 1) for f, ms in sorted(fams.items(), key=lambda kv: -kv[1])},
+               top=[dict(name=n[:160], calls=c, ms=round(ms, 2)) for n, (c, ms) in
+                    sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]])
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.shape}_{args.rows}x{args.tokens}" + ("_ckpt" if args.ckpt else "") + ("_mixed" if args.mixed else "") \
+        + ("_pad" if args.padded else "")
+    (args.out / f"profile_train_{tag}.json").write_text(json.dumps(res, indent=1))
+    lines = [f"# {tag}: forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, MFU {res['mfu']}, peak {peak:.1f} GiB, "
+             f"path {res['path']}, {res['device']}", "", "| family | ms | share |", "|---|---|---|"]
+    lines += [f"| {f} | {ms:.1f} | {ms / total_ms:.1%} |" for f, ms in res["families"].items()]
+    lines += ["", "| kernel | calls | ms |", "|---|---|---|"]
+    lines += [f"| {k['name'][:110]} | {k['calls']} | {k['ms']} |" for k in res["top"][:30]]
+    (args.out / f"profile_train_{tag}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
