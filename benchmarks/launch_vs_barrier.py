@@ -1,6 +1,6 @@
 """What a phase boundary costs: a kernel launch against a grid-wide barrier inside one persistent kernel.
 
-The first step of the plan for one persistent kernel per decoder layer (``results/NOTES.md``): a decode layer
+The first step of the plan for one persistent kernel per decoder layer (``benchmarks/NOTES.md``): a decode layer
 at one row is ~7 launches of kernels that each stream one weight. Here ``--phases`` phases each stream their own
 slice of a buffer (``--sizes`` bytes per phase: 0, and the 0.8B layer's weight sizes) over the whole grid,
 separated by

@@ -32,6 +32,12 @@
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
+#   canonical  canon_decode then canon_train: the README's performance tables for the current tree (run it with
+#           --out benchmarks/results/current, then python benchmarks/readme_tables.py)
+#   canon_decode benchmarks/decode.py, ours and graph only at 1, 16, 32 and 64 rows, transformers' eager generate
+#           at 1 and static cache + compile at 1 and 16 ($out/decode.json)
+#   canon_train  benchmarks/grpo_gpu.py, segki, each case of readme_tables.CANONICAL_CASES
+#           ($out/train/<case>/grpo_gpu.json)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
 #   ddp4b   benchmarks/grpo_gpu.py, 4B shape on 2 GPUs under DDP, 10 steps, a dense reward and a KL term
 #           (beta 0.04: the loss then follows the policy's drift from its start; grpo_ddp4b/)
@@ -44,6 +50,7 @@ set -uo pipefail
 [[ ${1:-} == --out ]] || { echo "usage: $0 --out DIR [stage ...]"; exit 2; }
 out=$2; shift 2
 stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(build tests kernels decode profile)
+[[ " ${stages[*]} " == *" canonical "* ]] && stages=(build canon_decode canon_train)
 mkdir -p "$out"
 # TRITON_CACHE_AUTOTUNING: a later process on the same machine reuses flash-linear-attention's prefill autotuning
 # (~60 s per model on a fresh machine) instead of repeating it; decode steps run no Triton kernel
@@ -146,6 +153,17 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/grpo_gpu.py --out "$out/grpo_$stage" --cases 9b:4x512:mb16:ckpt --runs segki \
                --devices 2 --strategy "${stage%9b}" --warm 1 > "$out/$stage.log" 2>&1
              tail -3 "$out/$stage.log" | cut -c1-300 ;;
+    canon_decode)
+             python3 benchmarks/decode.py --out "$out" --batches 1 16 32 64 --hf-eager-batches 1 \
+               --hf-compile-batches 1 16 > "$out/decode.log" 2>&1 || tail -5 "$out/decode.log"
+             grep -E "^\| (4b|0.8b)" "$out/decode.md" | cut -d'|' -f2-6 ;;
+    canon_train)
+             mkdir -p "$out/train"
+             for case in $(cd benchmarks && python3 -c "import readme_tables; print(*readme_tables.CANONICAL_CASES)"); do
+               python3 benchmarks/grpo_gpu.py --out "$out/train/${case//:/_}" --cases "$case" --runs segki \
+                 --segki-steps 6 --warm 2 > "$out/train/${case//:/_}.log" 2>&1
+               tail -1 "$out/train/${case//:/_}.log" | cut -c1-200
+             done ;;
     *)       echo "unknown stage $stage"; exit 2 ;;
   esac
   echo "== $stage: $(( $(date +%s) - start )) s"

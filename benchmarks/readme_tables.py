@@ -1,0 +1,186 @@
+"""The README's performance tables, generated from the result files under ``benchmarks/results/`` (never copied by
+hand): each cell names where its number comes from (:data:`DECODE`, :data:`TRAINING`), and where the canonical
+command's output (``benchmarks/results/current/``, see ``benchmarks/run_gpu.sh canonical``) holds a cell, that wins.
+
+    python benchmarks/readme_tables.py            # rewrite the README's generated blocks
+    python benchmarks/readme_tables.py --check    # exit 1 if the README differs from the files (a CPU test runs it)
+
+A block in the README sits between ``<!-- table:NAME -->`` and ``<!-- end table:NAME -->``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+CURRENT = "current"   # the canonical command's folder
+
+# decode tok/s cells: column -> (model, batch, mode); rows -> system name in decode.py's output and, per column, the
+# files (globs under benchmarks/results/) whose runs the cell spans (min-max over them)
+COLUMNS = {"0.8B b=1": ("0.8b", 1, "greedy"), "0.8B b=16": ("0.8b", 16, "greedy"),
+           "0.8B b=32 (T=1)": ("0.8b", 32, "sample T=1"), "0.8B b=64 (T=1)": ("0.8b", 64, "sample T=1"),
+           "4B b=1": ("4b", 1, "greedy"), "4B b=16 (T=1)": ("4b", 16, "sample T=1"),
+           "4B b=32 (T=1)": ("4b", 32, "sample T=1"), "4B b=64 (T=1)": ("4b", 64, "sample T=1")}
+_OURS = {"0.8B b=1": "paced_fill/run3_1_8_rows/decode_B*.json", "4B b=1": "paced_fill/run3_1_8_rows/decode_B*.json",
+         "0.8B b=16": "conv_prologue/decode_B*.json", "4B b=16 (T=1)": "deferred_xregs/run2_ab/decode_B*.json",
+         "0.8B b=32 (T=1)": "attn_step16/decode_B*.json", "4B b=32 (T=1)": "attn_step16/decode_B*.json",
+         "0.8B b=64 (T=1)": "v47_decode/decode_all*.json", "4B b=64 (T=1)": "v47_decode/decode_all*.json"}
+DECODE = [
+    ("roofline (weights once / copy bandwidth)", "roofline (weights once / copy BW)",
+     {c: f for c, f in _OURS.items() if c in ("0.8B b=1", "4B b=1")}),
+    ("segki_lightning (segki + graph)", "ours: segki + graph", _OURS),
+    ("graph only (plain forward captured)", "ours: graph only",
+     {"0.8B b=1": "v8_decode/b1_4_16_08b/decode.json", "0.8B b=16": "v8_decode/b1_4_16_08b/decode.json",
+      "0.8B b=64 (T=1)": "v5_main_2bf991c/decode.json", "4B b=1": "v8_decode/b1_4_16_4b/decode.json",
+      "4B b=16 (T=1)": "v8_decode/b1_4_16_4b/decode.json", "4B b=64 (T=1)": "v5_main_2bf991c/decode.json"}),
+    ("transformers static cache + compile (greedy)", "HF static cache + compile",
+     {"0.8B b=1": "v8_decode/b1_4_16_08b/decode.json", "0.8B b=16": "v5_main_2bf991c/decode_b16_vs_hf_compile.md",
+      "4B b=1": "v7_decode/decode_vs_hf_compile.json", "4B b=16 (T=1)": "v5_main_2bf991c/decode_b16_vs_hf_compile.md"}),
+    ("transformers eager `generate`", "HF eager generate",
+     {"0.8B b=1": "v5_main_2bf991c/decode.json", "4B b=1": "v5_main_2bf991c/decode.json"}),
+]
+# peers measured at greedy only: their T=1 columns take the greedy row
+_GREEDY_ONLY = {"HF static cache + compile", "HF eager generate"}
+
+# GRPO at RL sizes: (label, grpo_gpu.py case, committed result file or None); the canonical command's
+# current/train/<case>/grpo_gpu.json wins where it exists, and a row with neither is left out
+TRAINING = [
+    ("0.8B, 128 x 1024, torch GDN rule", None, "train_scale/grpo_0.8b_128rows_1024.json"),
+    ("4B, 64 x 512, torch GDN rule", None, "train_scale/grpo_4b_64rows_512.json"),
+    ("0.8B, 128 x 1024, packed", "0.8b:16x1024:mb32:ckpt", "train_fused/grpo_0.8b_128x1024.json"),
+    ("4B, 64 x 512, packed", "4b:8x512:mb32:ckpt", None),
+    ("0.8B, 128 x 10-100 % of 1024, packed", "0.8b:16x1024:mb32:ckpt:mixed", "train_fused/grpo_0.8b_128x1024_mixed_packed.json"),
+    ("0.8B, 128 x 10-100 % of 1024, padded", "0.8b:16x1024:mb32:ckpt:mixed:pad",
+     "train_fused/grpo_0.8b_128x1024_mixed_padded.json"),
+]
+CANONICAL_CASES = [case for _, case, _ in TRAINING if case]   # what run_gpu.sh's canon_train stage runs
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows of a decode.py result: its JSON list, or the table of its markdown output."""
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    lines = [ln for ln in path.read_text().splitlines() if ln.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = []
+    for ln in lines[2:]:
+        cells = dict(zip(head, (c.strip() for c in ln.strip("|").split("|"))))
+        cells["batch"] = int(cells["batch"])
+        cells["decode_tok_s"] = float(cells["decode_tok_s"]) if cells.get("decode_tok_s") else None
+        rows.append(cells)
+    return rows
+
+
+def _files(pattern: str) -> list[Path]:
+    """The canonical folder's decode.json when it exists, else the pattern's files (sorted)."""
+    current = RESULTS / CURRENT / "decode.json"
+    return [current] if current.exists() else sorted(RESULTS.glob(pattern))
+
+
+def _tok_s(files: list[Path], system: str, model: str, batch: int, mode: str) -> list[float]:
+    want = "-" if system.startswith("roofline") else ("greedy" if system in _GREEDY_ONLY else mode)
+    out = []
+    for f in files:
+        for r in read_rows(f):
+            if (r.get("system") == system and r.get("model") == model and r.get("mode") == want
+                    and (r.get("batch") == batch or want == "-") and r.get("decode_tok_s")):
+                out.append(float(r["decode_tok_s"]))
+    return out
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    fmt = (lambda v: f"{v:,.0f}".replace(",", " ")) if max(values) >= 1000 else (lambda v: f"{v:.1f}")
+    lo, hi = fmt(min(values)), fmt(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def decode_table() -> str:
+    lines = ["| Qwen3.5 decode tok/s | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    sources = set()
+    for label, system, cells in DECODE:
+        row = []
+        for col, (model, batch, mode) in COLUMNS.items():
+            files = _files(cells[col]) if col in cells else []
+            sources.update(str(f.relative_to(RESULTS)) for f in files)
+            row.append(_span(_tok_s(files, system, model, batch, mode)))
+        lines.append(f"| {label} | " + " | ".join(row) + " |")
+    lines += ["", "Generated by `python benchmarks/readme_tables.py` from " +
+              ", ".join(f"`{s}`" for s in sorted(sources)) + " (under `benchmarks/results/`; each folder's README "
+              "names the command and the commit). A range spans the runs of one cell's files."]
+    return "\n".join(lines)
+
+
+def _pct(v) -> str:
+    return "-" if v is None or v != v else f"{100 * v:.1f} %"
+
+
+def _num(v, digits: int = 2) -> str:
+    return "-" if v is None or v != v else f"{v:.{digits}f}"
+
+
+def _device(r: dict, path: Path) -> str:
+    """The GPU a grpo_gpu.py result ran on: its ``device`` field, else the title of its markdown twin (``...,
+    NVIDIA H100 80GB HBM3, ...``)."""
+    md = path.with_suffix(".md")
+    text = r.get("device") or (md.read_text() if md.exists() else "")
+    m = re.search(r"NVIDIA (H\d+)", text)
+    if not m:
+        raise ValueError(f"{path}: no device named (a 'device' field or its .md title)")
+    return m.group(1)
+
+
+def training_table() -> str:
+    lines = ["| GRPO step (G = 8, micro-batches of 32 rows, checkpointing) | step s | rollout s | training part s | "
+             "MFU of the training part | peak GiB |", "|---|---|---|---|---|---|"]
+    used = []
+    for label, case, rel in TRAINING:
+        current = RESULTS / CURRENT / "train" / case.replace(":", "_") / "grpo_gpu.json" if case else None
+        path = current if current is not None and current.exists() else RESULTS / rel if rel else None
+        if path is None:
+            continue
+        r = json.loads(path.read_text())[0]
+        used.append(str(path.relative_to(RESULTS)))
+        mfu = r.get("mfu", r.get("mfu_train"))
+        lines.append(f"| {label} ({_device(r, path)}) | {_num(r['step_s'])} | {_num(r['rollout_s'])} | "
+                     f"{_num(r['train_s'])} | {_pct(mfu)} | {_num(r['peak_gib'], 1)} |")
+    lines += ["", "Generated by `python benchmarks/readme_tables.py` from " +
+              ", ".join(f"`{u}`" for u in used) + " (under `benchmarks/results/`)."]
+    return "\n".join(lines)
+
+
+TABLES = {"decode": decode_table, "training": training_table}
+
+
+def render(readme: str) -> str:
+    """``readme`` with every generated block replaced by its table; a block name without a table is an error."""
+    def block(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            raise KeyError(f"README block {name!r} has no table (known: {sorted(TABLES)})")
+        return f"<!-- table:{name} -->\n{TABLES[name]()}\n<!-- end table:{name} -->"
+
+    return re.sub(r"<!-- table:(\w+) -->\n(?:.*?\n)?<!-- end table:\1 -->", block, readme, flags=re.S)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README is not what the files say")
+    args = ap.parse_args()
+    path = ROOT / "README.md"
+    now = path.read_text()
+    want = render(now)
+    if args.check:
+        if want != now:
+            sys.exit("README.md's generated tables differ from benchmarks/results/: run python benchmarks/readme_tables.py")
+        return
+    path.write_text(want)
+
+
+if __name__ == "__main__":
+    main()

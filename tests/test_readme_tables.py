@@ -1,0 +1,59 @@
+"""The README's performance tables are what the committed result files say (benchmarks/readme_tables.py), and
+every result path the README names is in the tree."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tables():
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "benchmarks" / "readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_readme_tables_are_generated_from_the_results(tables):
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- table:decode -->" in readme and "<!-- table:training -->" in readme
+    assert tables.render(readme) == readme, "run python benchmarks/readme_tables.py"
+
+
+def test_the_canonical_folder_wins(tables, tmp_path, monkeypatch):
+    """A decode.json in results/current/ replaces every decode cell's files, a canonical GRPO case its row."""
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    (tmp_path / "current").mkdir()
+    rows = [dict(model="0.8b", system="ours: segki + graph", batch=1, mode="greedy", decode_tok_s=1234.5),
+            dict(model="0.8b", system="roofline (weights once / copy BW)", batch=1, mode="-", decode_tok_s=2800.0)]
+    (tmp_path / "current" / "decode.json").write_text(json.dumps(rows))
+    table = tables.decode_table()
+    assert "| segki_lightning (segki + graph) | 1 234 |" in table or "| segki_lightning (segki + graph) | 1 235 |" in table
+    assert "`current/decode.json`" in table
+    case = tables.CANONICAL_CASES[0]
+    out = tmp_path / "current" / "train" / case.replace(":", "_")
+    out.mkdir(parents=True)
+    (out / "grpo_gpu.json").write_text(json.dumps([dict(step_s=5.0, rollout_s=2.0, train_s=3.0, mfu=0.31,
+                                                         peak_gib=20.0, device="NVIDIA H200")]))
+    for _, _, rel in tables.TRAINING:   # the committed files the other rows read
+        for f in (Path(rel), Path(rel).with_suffix(".md")) if rel else ():
+            if (ROOT / "benchmarks" / "results" / f).exists():
+                (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / f).write_text((ROOT / "benchmarks" / "results" / f).read_text())
+    assert "| 5.00 | 2.00 | 3.00 | 31.0 % | 20.0 |" in tables.training_table()
+
+
+def test_every_result_path_the_readme_names_exists():
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"benchmarks/results/([\w./-]+)", readme))
+    named |= {m for m in re.findall(r"`([\w.-]+/[\w./-]*)`", readme)
+              if (ROOT / "benchmarks" / "results" / m.split("/")[0]).is_dir()}
+    named.discard("current")   # the canonical command's folder, made by running it
+    missing = sorted(n for n in named if not (ROOT / "benchmarks" / "results" / n.rstrip("/.")).exists())
+    assert not missing, missing
