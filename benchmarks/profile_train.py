@@ -5,11 +5,14 @@ profiler: the kernels that take the time, grouped into families (GDN chunk kerne
 norms and element-wise work, the log-prob head), with their share and the pass's MFU on real tokens.
 
     python benchmarks/profile_train.py --out DIR [--shape 0.8b] [--rows 32] [--tokens 1024] [--ckpt] [--mixed]
+
+Under ``SEGKI_TRAIN_FUSED=1`` (fla's fused norms, SwiGLU and conv in training passes) the files end in ``_fused``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 from collections import defaultdict
@@ -127,7 +130,7 @@ def main() -> None:
                     sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]])
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{args.shape}_{args.rows}x{args.tokens}" + ("_ckpt" if args.ckpt else "") + ("_mixed" if args.mixed else "") \
-        + ("_pad" if args.padded else "")
+        + ("_pad" if args.padded else "") + ("_fused" if os.environ.get("SEGKI_TRAIN_FUSED") == "1" else "")
     (args.out / f"profile_train_{tag}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# {tag}: forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, MFU {res['mfu']}, peak {peak:.1f} GiB, "
              f"path {res['path']}, {res['device']}", "", "| family | ms | share |", "|---|---|---|"]

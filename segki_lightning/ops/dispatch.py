@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import reference
+from . import reference, train_fused
 from .extension import has_native
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float16)
@@ -426,7 +426,10 @@ def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | No
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """See :func:`reference.silu_mul`; ``gate``/``up`` may be column slices of one product."""
+    """See :func:`reference.silu_mul`; ``gate``/``up`` may be column slices of one product. Training passes:
+    :mod:`.train_fused` where it runs."""
+    if train_fused.active(gate, up):
+        return train_fused.silu_mul(gate, up)
     ok = gate.shape[-1] % 8 == 0 and gate.shape == up.shape and _vector_rows(gate) and _vector_rows(up)
     if eligible("silu_mul", gate, up, shape_ok=ok, row_strided=2):
         return _native("silu_mul")(gate, up)
@@ -504,14 +507,19 @@ def gdn_in_proj_conv(x, w_qkv, w_z, w_b, w_a, conv_state, conv_weight, conv_bias
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
     """See :func:`reference.rms_norm`. A strided view (Qwen3.5's q_norm gets half of each q_proj row) is
-    copied once for the native kernel rather than sent through the ~10-kernel reference composition."""
+    copied once for the native kernel rather than sent through the ~10-kernel reference composition. Training
+    passes: :mod:`.train_fused` where it runs."""
+    if train_fused.active(x, weight):
+        return train_fused.rms_norm(x, weight, eps, unit_offset)
     if eligible("rms_norm", x, weight, shape_ok=x.shape[-1] % 8 == 0, strided_first=True):
         return _native("rms_norm")(x.contiguous(), weight, eps, unit_offset)
     return reference.rms_norm(x, weight, eps, unit_offset)
 
 
 def add_rms_norm(x, residual, weight, eps: float, unit_offset: bool) -> tuple[Tensor, Tensor]:
-    """See :func:`reference.add_rms_norm`."""
+    """See :func:`reference.add_rms_norm`; training passes: :mod:`.train_fused` where it runs."""
+    if train_fused.active(x, residual, weight):
+        return train_fused.add_rms_norm(x, residual, weight, eps, unit_offset)
     if eligible("add_rms_norm", x, residual, weight, shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("add_rms_norm")(x, residual, weight, eps, unit_offset))
     return reference.add_rms_norm(x, residual, weight, eps, unit_offset)
@@ -645,4 +653,10 @@ def record_tokens(tok, lp, finished, offset, token, out_tokens, out_logprobs, ou
 
 
 gdn_gates = reference.gdn_gates
-gated_rms_norm = reference.gated_rms_norm
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """See :func:`reference.gated_rms_norm`; training passes: :mod:`.train_fused` where it runs."""
+    if train_fused.active(x, z, weight):
+        return train_fused.gated_rms_norm(x, z, weight, eps)
+    return reference.gated_rms_norm(x, z, weight, eps)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import gdn_chunk as _gdn
+from . import train_fused
 from .reference import gdn_chunked
 
 
@@ -44,7 +45,10 @@ def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
 def causal_conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None = None) -> Tensor:
     """``SiLU(depthwise causal conv)`` of ``x [B, T, C]`` with ``weight [C, 1, W]`` -> ``[B, T, C]`` in x's dtype, each
     row from zeros (transformers' Gated-DeltaNet conv). Packed rows (``cu_seqlens``, ``B = 1``) are spread apart by
-    ``W - 1`` zeros, so that no row's window reaches into the row before it, and gathered back after the conv."""
+    ``W - 1`` zeros, so that no row's window reaches into the row before it, and gathered back after the conv.
+    Training passes: fla's varlen conv (:mod:`.train_fused`) where it runs."""
+    if train_fused.active(x, weight, bias):
+        return train_fused.causal_conv_silu(x, weight, bias, cu_seqlens)
     gap = weight.shape[-1] - 1
     if cu_seqlens is not None and gap > 0:
         dest = _spread(cu_seqlens, gap, x.device)                                               # [M]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..lightning.fsdp import through_root
+from ..ops import train_fused
 
 log = logging.getLogger("segki_lightning")
 CHUNK_BYTES = 1 << 30      # fp32 logits of one chunk: ~1 GiB (about 1080 tokens of a 248k vocabulary)
@@ -155,7 +156,8 @@ def completion_logprobs(model: nn.Module, prompt_ids: Tensor, prompt_mask: Tenso
         values = _values(value_head, hidden[take.clamp(0, len(hidden) - 1)], sel) if value_head is not None else None
         return TokenScores(zeros.masked_scatter(sel, logp_m), zeros.masked_scatter(sel, ent_m), values)
 
-    return through_root(model, chunked)
+    with train_fused.scoring():
+        return through_root(model, chunked)
 
 
 class _Packed(NamedTuple):

@@ -1,0 +1,87 @@
+"""flash-linear-attention's fused Triton kernels for the element-wise work of a training pass: RMSNorm (with the
+residual add), the Gated-DeltaNet output norm with its SiLU gate, SwiGLU and the causal depthwise conv over packed
+rows. The reference compositions they replace run ~10 fp32 kernels each over ``[tokens, hidden]`` tensors, twice
+with activation checkpointing: at the 0.8B shape they took two thirds of a micro-batch's GPU time
+(``benchmarks/results/train_fused/``).
+
+Where they run: CUDA, fla importable, ``SEGKI_TRAIN_FUSED=1`` (off by default until measured), and either
+gradients recorded (the update pass and its checkpoint recompute) or inside :func:`scoring` (the no-grad old
+log-prob and reference passes, so that all three passes round alike). Rollout prefill and decode never take them.
+They round once at the end where the references round in between (fp32 statistics both), so outputs differ from
+the references within bf16 rounding (GPU tests state the tolerances)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from .gdn_chunk import _fla_import_error
+
+SWITCH = "SEGKI_TRAIN_FUSED"
+_SCORING = [0]   # depth of scoring() scopes (one training loop per process)
+
+
+@contextlib.contextmanager
+def scoring() -> Iterator[None]:
+    """Scope of a no-grad training pass (old log-probs, reference): the fused kernels run there as in the update."""
+    _SCORING[0] += 1
+    try:
+        yield
+    finally:
+        _SCORING[0] -= 1
+
+
+def active(*tensors: Tensor | None) -> bool:
+    """Whether a training op on ``tensors`` takes the fused kernels (see the module docstring)."""
+    present = [t for t in tensors if t is not None]
+    if os.environ.get(SWITCH, "0") != "1" or not present or not present[0].is_cuda:
+        return False
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in present)
+    return (grad or _SCORING[0] > 0) and not _fla_import_error()
+
+
+def _norm_weight(weight: Tensor, unit_offset: bool) -> Tensor:
+    """The weight the kernel multiplies by: ``1 + w`` in fp32 for the unit-offset form (Qwen3.5, Gemma), as the
+    model computes it; gradients reach ``w`` through it."""
+    return 1.0 + weight.float() if unit_offset else weight
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
+    """``x [..., H]`` -> ``[..., H]`` in x's dtype (see ``reference.rms_norm``)."""
+    from fla.modules.layernorm import rms_norm as fla_rms_norm
+
+    return fla_rms_norm(x, _norm_weight(weight, unit_offset), None, eps=eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> tuple[Tensor, Tensor]:
+    """``(norm(residual + x), residual + x)`` (see ``reference.add_rms_norm``); the sum kept in the residual's dtype."""
+    from fla.modules.layernorm import rms_norm as fla_rms_norm
+
+    normed, summed = fla_rms_norm(x, _norm_weight(weight, unit_offset), None, residual=residual, eps=eps,
+                                  prenorm=True)
+    return normed, summed
+
+
+def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``w * rmsnorm(x) * silu(z)`` per head: ``x, z [..., D]`` -> ``[..., D]`` (see ``reference.gated_rms_norm``)."""
+    from fla.modules.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x, z, weight, None, activation="swish", eps=eps)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` (see ``reference.silu_mul``)."""
+    from fla.modules.activations import swiglu
+
+    return swiglu(gate, up)
+
+
+def causal_conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens: Tensor | None) -> Tensor:
+    """``SiLU(causal depthwise conv)`` of ``x [B, T, C]`` with ``weight [C, 1, W]``, each packed row from zeros."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(x, weight[:, 0], bias, activation="silu", cu_seqlens=cu_seqlens)
+    return y
