@@ -42,7 +42,7 @@ class RLConfig:
     top_p: float = 1.0
     top_k: int = 0
     max_prompt_length: int | None = 512
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     lr_scheduler_type: str = "linear"
