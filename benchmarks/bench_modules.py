@@ -7,6 +7,11 @@ import torch
 from segki_lightning.rl import GRPOModule
 
 
+def mixed_lengths(t: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` completion lengths drawn uniformly between 10 % and 100 % of ``t`` (mean ~55 %) ``[n]``."""
+    return torch.randint(max(1, t // 10), t + 1, (n,), generator=generator)
+
+
 class MixedLengthGRPO(GRPOModule):
     """GRPO whose completions end at lengths drawn uniformly between 10 % and 100 % of ``max_completion_length``
     (mean ~55 %): random weights never sample EOS, so each row is cut after its rollout -- EOS written at its last
@@ -17,7 +22,7 @@ class MixedLengthGRPO(GRPOModule):
         batch = super().rollout(prompts, sampling)
         t = batch.completion_ids.shape[1]
         gen = torch.Generator().manual_seed(1000 + self.global_step)
-        ends = torch.randint(max(1, t // 10), t + 1, (len(batch),), generator=gen).to(batch.completion_ids.device)
+        ends = mixed_lengths(t, len(batch), gen).to(batch.completion_ids.device)
         cols = torch.arange(t, device=ends.device)[None, :]
         keep = cols < ends[:, None]                                                          # [N, T]
         ids = torch.where(keep, batch.completion_ids, self.pad_token_id)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from bench_modules import mixed_lengths
 from common import qwen35_config
 
 PROMPT = 4
@@ -41,9 +42,8 @@ def family(name: str) -> str:
 
 def batch(rows: int, tokens: int, mixed: bool, vocab: int, gen: torch.Generator):
     """Prompt ids/mask ``[rows, PROMPT]``, completion ids/mask ``[rows, tokens]``; ``mixed``: completion lengths
-    drawn between 10 % and 100 % of ``tokens`` (mean about half), as benchmarks/bench_modules.py's case."""
-    lengths = (torch.randint(tokens // 10, tokens + 1, (rows,), generator=gen) if mixed
-               else torch.full((rows,), tokens))
+    as the GRPO benchmark's mixed case draws them."""
+    lengths = mixed_lengths(tokens, rows, gen) if mixed else torch.full((rows,), tokens)
     cm = (torch.arange(tokens)[None, :] < lengths[:, None]).long()
     pm = torch.ones(rows, PROMPT, dtype=torch.long)
     ids_p = torch.randint(2, vocab, pm.shape, generator=gen)

@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 import sys
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,8 +61,9 @@ TRAINING = [
 CANONICAL_CASES = [case for _, case, _ in TRAINING if case]   # what run_gpu.sh's canon_train stage runs
 
 
+@cache
 def read_rows(path: Path) -> list[dict]:
-    """The rows of a decode.py result: its JSON list, or the table of its markdown output."""
+    """The rows of a decode.py result: its JSON list, or the table of its markdown output (read once per file)."""
     if path.suffix == ".json":
         return json.loads(path.read_text())
     lines = [ln for ln in path.read_text().splitlines() if ln.startswith("|")]

@@ -35,12 +35,12 @@ def scoring() -> Iterator[None]:
 
 
 def active(*tensors: Tensor | None) -> bool:
-    """Whether a training op on ``tensors`` takes the fused kernels (see the module docstring)."""
+    """Whether a training op on ``tensors`` takes the fused kernels (see the module docstring). A decode step
+    (no gradients, no scoring scope) answers at the first check."""
     present = [t for t in tensors if t is not None]
-    if os.environ.get(SWITCH, "0") != "1" or not present or not present[0].is_cuda:
-        return False
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in present)
-    return (grad or _SCORING[0] > 0) and not _fla_import_error()
+    training = _SCORING[0] > 0 or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+    return (training and bool(present) and present[0].is_cuda and os.environ.get(SWITCH, "0") == "1"
+            and not _fla_import_error())
 
 
 def _norm_weight(weight: Tensor, unit_offset: bool) -> Tensor:
