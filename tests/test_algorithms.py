@@ -198,7 +198,7 @@ def test_reused_rollout_steps_off_policy_and_clipping_acts(tmp_path):
 
     run(small(tmp_path, "trainer.max_steps=20", "algo.num_iterations=2", "algo.learning_rate=0.05",
               "algo.num_generations=4", "algo.max_completion_length=6",
-              "rewards.0._target_=tests.test_training.letters", "+rewards.0._partial_=true"))
+              "rewards.0.fn._target_=tests.test_training.letters", "+rewards.0.fn._partial_=true"))
     rows = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
     steps = [r for r in rows if r.get("train/loss")]
     assert len(steps) == 20

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 RUN = ["trainer.max_steps=3", "trainer.devices=2", "trainer.enable_progress_bar=false", "task.prompts_per_step=2",
-       "algo.num_generations=2", "rewards.0.pattern='.*[a-m].*'"]   # a reward random completions often earn
+       "algo.num_generations=2", "rewards.0.fn.pattern='.*[a-m].*'"]   # a reward random completions often earn
 
 
 def recipe(folder, *extra, name="grpo"):

@@ -42,7 +42,8 @@ def test_every_recipe_composes_and_instantiates(tmp_path, name):
 
     cfg = small(tmp_path, name=name)
     rewards = [instantiate(r) for r in cfg.rewards]
-    assert [type(r) for r in rewards] == [FormatRegex, ExactMatch] and cfg.algo.reward_weights == [0.5, 0.5]
+    assert [type(r.fn) for r in rewards] == [FormatRegex, ExactMatch] and [r.weight for r in rewards] == [0.5, 0.5]
+    assert cfg.algo.reward_weights is None   # so `rewards=[my_fn]` alone replaces the recipe's two
     assert cfg.rollout.use_segki and cfg.rollout.graph_capture and cfg.algorithm == name
     assert (RECIPES / f"{name}.yaml").read_text().splitlines()[0] == f"# segki-train --config-name {name}"
 
@@ -132,7 +133,7 @@ def test_resume_equals_an_uninterrupted_run(tmp_path):
     """2 steps + resume + 2 steps == 4 steps in one go, bit for bit: policy, optimizer moments, data order and the
     rollouts' sampling seeds all continue where they stopped. A reward that random completions often earn (a
     letter a-m anywhere) keeps the advantages, hence the updates, non-zero."""
-    reward = "rewards.0.pattern='.*[a-m].*'"
+    reward = "rewards.0.fn.pattern='.*[a-m].*'"
     a, straight = tmp_path / "resumed", tmp_path / "straight"
     run(small(a, "checkpoint.every_n_train_steps=1", reward))
     at_two = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
@@ -236,3 +237,19 @@ def test_weight_checksum_is_chunk_independent_and_sees_one_bit(monkeypatch):
         bits = model[1].weight.view(torch.int16)
         bits[2, 3] ^= 1
     assert not torch.equal(consistency.weight_checksum(model), whole_value)
+
+
+def one_reward(prompts, completions, **columns):
+    return [1.0] * len(completions)
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_overriding_rewards_alone_replaces_the_recipes(tmp_path, name):
+    """`rewards=[my_fn]` with no other override: one reward at TRL's weight 1.0 (the recipes weight theirs in
+    WeightedReward nodes, not in algo.reward_weights)."""
+    from segki_lightning.rl.rewards import as_rewards
+    from segki_lightning.train import build_rewards
+
+    cfg = small(tmp_path, "rewards=[tests.test_lightning.one_reward]", name=name)
+    (r,) = as_rewards(build_rewards(cfg), cfg.algo.reward_weights)
+    assert r.fn is one_reward and r.weight == 1.0

@@ -30,7 +30,7 @@ from segki_lightning.train import run
 
 from .test_lightning import small
 
-REWARD = "rewards.0.pattern='.*[a-m].*'"   # random completions earn it often: updates are never all zero
+REWARD = "rewards.0.fn.pattern='.*[a-m].*'"   # random completions earn it often: updates are never all zero
 ROOT = Path(__file__).resolve().parents[1]
 
 

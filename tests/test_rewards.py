@@ -79,10 +79,10 @@ def test_hydra_takes_dotted_paths_and_partial_functions(tmp_path):
 
     cfg = small(tmp_path, "rewards=[tests.test_rewards.correct]")
     assert build_rewards(cfg) == [correct]
-    cfg = small(tmp_path, "rewards.0._target_=tests.test_rewards.only_short", "~rewards.0.pattern",
-                "+rewards.0._partial_=true")
-    fn = build_rewards(cfg)[0]
-    assert reward_name(fn) == "only_short" and fn(["p"], ["c"], completion_ids=[[1]]) == [1.0]
-    cfg = small(tmp_path, "rewards.0._target_=tests.test_rewards.only_short", "~rewards.0.pattern")
+    cfg = small(tmp_path, "rewards.0.fn._target_=tests.test_rewards.only_short", "~rewards.0.fn.pattern",
+                "+rewards.0.fn._partial_=true")
+    (w, _) = build_rewards(cfg)   # the recipe's first reward node, its function replaced, its weight kept
+    assert w.label == "only_short" and w.weight == 0.5 and w.fn(["p"], ["c"], completion_ids=[[1]]) == [1.0]
+    cfg = small(tmp_path, "rewards.0.fn._target_=tests.test_rewards.only_short", "~rewards.0.fn.pattern")
     with pytest.raises(ValueError, match="_partial_: true"):
         build_rewards(cfg)

@@ -114,7 +114,7 @@ def test_micro_batches_with_lightning_accumulation_and_clipping(tmp_path, monkey
             *a, callbacks=[*callbacks, Grads(name)], **kw))
         run(small(folder, "trainer.accumulate_grad_batches=2", "trainer.gradient_clip_val=0.001",
                   "trainer.max_steps=2", "algo.num_generations=4", "algo.max_completion_length=6",
-                  "rewards.0._target_=tests.test_training.letters", "+rewards.0._partial_=true", *extra))
+                  "rewards.0.fn._target_=tests.test_training.letters", "+rewards.0.fn._partial_=true", *extra))
         runs[name] = torch.load(folder / "checkpoints" / "last.ckpt", weights_only=False)
     assert runs["whole"]["global_step"] == 2 and len(seen["whole"]) == len(seen["micro"]) == 2
     for got, want in zip(seen["micro"], seen["whole"]):
@@ -227,7 +227,7 @@ def test_bf16_recipe_resumes_bit_identically_with_master_weights(tmp_path):
     policy and fp32 masters bit for bit; the masters moved where the bf16 weights could not."""
     from segki_lightning.train import run
 
-    bf16 = ["model.dtype=bfloat16", "trainer.precision=bf16-true", "rewards.0.pattern='.*[a-m].*'",
+    bf16 = ["model.dtype=bfloat16", "trainer.precision=bf16-true", "rewards.0.fn.pattern='.*[a-m].*'",
             "algo.learning_rate=1e-5"]
     a, straight = tmp_path / "resumed", tmp_path / "straight"
     run(small(a, "checkpoint.every_n_train_steps=1", *bf16))
