@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -299,6 +300,8 @@ def main() -> None:
 
     register()
     sys.argv[1:1] = ["--config-dir", str(CONFIGS)]   # the config groups (also listed by --help)
+    if os.getcwd() not in sys.path:   # rewards=[my_module.fn] and module=... import from where the command ran, as
+        sys.path.insert(0, os.getcwd())   # under python -m (a console script's sys.path starts at its own folder)
 
     @hydra.main(version_base="1.3", config_path=str(RECIPES), config_name="grpo")
     def _entry(cfg) -> None:

@@ -253,3 +253,24 @@ def test_overriding_rewards_alone_replaces_the_recipes(tmp_path, name):
     cfg = small(tmp_path, "rewards=[tests.test_lightning.one_reward]", name=name)
     (r,) = as_rewards(build_rewards(cfg), cfg.algo.reward_weights)
     assert r.fn is one_reward and r.weight == 1.0
+
+
+def test_segki_train_imports_rewards_from_where_it_runs(tmp_path):
+    """The console script, run in a folder holding the reward's module, with no PYTHONPATH: the module imports."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    script = shutil.which("segki-train", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("segki-train is not installed beside this Python")
+    (tmp_path / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
+                                            "    return [float(len(str(c)) < 3) for c in completions]\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [script, "--config-name", "grpo", "trainer.max_steps=1", "trainer.enable_progress_bar=false",
+           "task.prompts_per_step=2", "algo.num_generations=2", "algo.max_completion_length=3",
+           "rewards=[my_rewards.short]", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "train/rewards/short" in (tmp_path / "run" / "logs" / "metrics.csv").read_text()
