@@ -114,6 +114,7 @@ def test_importance_weights_equal_trl(mode):
     trainer = -torch.rand(5, 6) * 2
     sampler = trainer + 0.6 * torch.randn(5, 6)
     mask = (torch.rand(5, 6) > 0.2).long()
+    sampler[0], mask[0] = trainer[0] - 1.0, 1   # one row surely outside [0.5, 1.5] (ratio e per token)
     got, outside = importance_weights(trainer, sampler, mask, mode, 1.5, 0.5)
     diff = (trainer - sampler) * mask
     if mode.startswith("sequence"):
