@@ -13,8 +13,9 @@ from .rl.config import GRPOConfig, PPOConfig
 
 @dataclass
 class ModelConf:
-    pretrained: str | None = MISSING   # local checkpoint folder; null (model=tiny_qwen35): the embedded tiny Qwen3.5
-    dtype: str = "float32"
+    pretrained: str | None = MISSING   # local checkpoint folder or Hub id; null (model=tiny_qwen35): the embedded tiny
+    dtype: str = "float32"             # auto: the checkpoint's own; float32 | bfloat16 | float16 cast
+    revision: str | None = None        # a Hub id's branch, tag or commit
     hidden_size: int = 64
     num_layers: int = 4
     seed: int = 0

@@ -38,7 +38,7 @@ def build_policy(cfg):
 
     if cfg.model.pretrained:
         t0 = time.perf_counter()
-        model, tok = load_pretrained(cfg.model.pretrained, cfg.model.dtype)
+        model, tok = load_pretrained(cfg.model.pretrained, cfg.model.dtype, cfg.model.revision)
         log.info("segki: loaded %s (%.2f B parameters) in %.1f s", cfg.model.pretrained,
                  sum(p.numel() for p in model.parameters()) / 1e9, time.perf_counter() - t0)
     else:

@@ -1,17 +1,24 @@
-"""The policy: a local Hugging Face checkpoint (weights + tokenizer, no remote code) or the embedded tiny
+"""The policy: a Hugging Face checkpoint, local or a Hub id (weights + tokenizer, no remote code) or the embedded tiny
 Qwen3.5 hybrid (3 Gated-DeltaNet + 1 full-attention layer), randomly initialised."""
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("segki_lightning")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _dtype(name: str) -> torch.dtype:
+    """``model.dtype``'s torch dtype; ``auto`` (a checkpoint's own) is float32 for the embedded model."""
+    if name == "auto":
+        return torch.float32
     if name not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {name!r}")
+        raise ValueError(f"model.dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -32,16 +39,46 @@ def tiny_qwen35(vocab_size: int, pad_token_id: int, eos_token_id: int, hidden_si
     return Qwen3_5ForCausalLM(cfg).to(_dtype(dtype))
 
 
-def load_pretrained(path: str, dtype: str = "bfloat16"):
-    """``(model, tokenizer)`` from a local folder with safetensors weights and a tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_pretrained(name_or_path: str, dtype: str = "auto", revision: str | None = None):
+    """``(model, tokenizer)`` from a local folder saved with ``save_pretrained`` or a Hub model id (downloaded into
+    the Hub cache as transformers does, or read from it offline); no remote code. ``dtype="auto"`` keeps the
+    checkpoint's own dtype; another one casts, with a line saying so."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"model.pretrained={path} is not a local folder: point it at a checkpoint saved "
-                                "with save_pretrained (nothing is downloaded)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_dtype(dtype), trust_remote_code=False,
-                                                 local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    folder = resolve_checkpoint(name_or_path, revision)
+    stored = getattr(AutoConfig.from_pretrained(folder, local_files_only=True), "dtype", None)
+    stored = getattr(torch, stored, None) if isinstance(stored, str) else stored
+    want = "auto" if dtype == "auto" else _dtype(dtype)
+    if want != "auto" and stored is not None and want != stored:
+        log.info("segki: model.dtype=%s casts %s's %s weights", dtype, name_or_path, stored)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=want, trust_remote_code=False, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False, local_files_only=True)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+# what a causal LM checkpoint needs from a Hub repository (weights, configs, tokenizer, chat template)
+_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
+    """A local folder as it is; else a Hub model id's snapshot folder in the Hub cache (fetched when missing, unless
+    offline: ``HF_HUB_OFFLINE=1``). Either way one clear error naming ``model.pretrained`` when it is neither."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    if Path(name_or_path).is_dir():
+        return name_or_path
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        return snapshot_download(name_or_path, revision=revision, allow_patterns=_CHECKPOINT_FILES,
+                                 local_files_only=offline)
+    except HFValidationError:
+        raise FileNotFoundError(f"model.pretrained={name_or_path} is neither a local folder nor a Hub model id "
+                                "(org/name)") from None
+    except Exception as err:   # not in the cache offline, no network, no such repository or revision
+        where = "the local Hub cache (HF_HUB_OFFLINE=1)" if offline else "the Hub"
+        raise FileNotFoundError(f"model.pretrained={name_or_path}"
+                                f"{f' (model.revision={revision})' if revision else ''} is not a local folder and "
+                                f"could not be had from {where}: {type(err).__name__}: {str(err)[:300]}") from None
