@@ -235,7 +235,8 @@ def main() -> None:
                     r = dict(run=name, case=case.name, mode=mode, devices=devices, rows_per_rank=8 * case.prompts,
                              tokens=case.tokens, micro_batch=case.micro_batch or 8 * case.prompts,
                              params_b=round(params[case.shape] / 1e9, 2), returncode=rc, wall_s=round(wall, 1),
-                             device=torch.cuda.get_device_name())
+                             device=torch.cuda.get_device_name(),
+                             train_fused=os.environ.get("SEGKI_TRAIN_FUSED", "0") == "1")
                     if rc == 0:
                         r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape], devices))
                     else:
