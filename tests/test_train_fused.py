@@ -47,3 +47,31 @@ def test_cpu_training_ops_are_the_references_with_the_switch_on(monkeypatch):
         assert torch.equal(a, b)
     assert torch.equal(dispatch.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
     assert torch.equal(dispatch.silu_mul(x, z), reference.silu_mul(x, z))
+
+
+def test_the_gated_norm_runs_in_slices_of_one_compile_bucket(monkeypatch):
+    """fla's gated norm compiles per ceil(rows / bucket): every call it gets has at most one bucket of rows, and
+    the slices' outputs land where the rows were (checked with the reference standing in for fla's kernel)."""
+    import sys
+    import types
+
+    calls = []
+
+    def fake(x, z, weight, bias, activation, eps):
+        calls.append(x.shape[0])
+        assert x.dim() == 2 and bias is None and activation == "swish"
+        return reference.gated_rms_norm(x, z, weight, eps)
+
+    for name in ("fla", "fla.modules"):   # fla's own package needs Triton; a stand-in module is enough here
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_norm_gate", types.SimpleNamespace(rms_norm_gated=fake))
+    monkeypatch.setattr(train_fused, "GATED_BUCKET_ROWS", 64)
+    x, z = torch.randn(1, 37, 4, 8), torch.randn(1, 37, 4, 8)   # 148 rows of 8
+    w = torch.randn(8)
+    assert torch.equal(train_fused.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
+    assert calls == [64, 64, 20]
+
+
+def test_narrow_norms_stay_on_the_reference():
+    """RMSNorm of width <= 512 (per-head q/k norms) would compile per token count in fla: not taken."""
+    assert not train_fused.norm_width_ok(torch.zeros(2, 256)) and train_fused.norm_width_ok(torch.zeros(2, 1024))

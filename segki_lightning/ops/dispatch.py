@@ -509,7 +509,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor
     """See :func:`reference.rms_norm`. A strided view (Qwen3.5's q_norm gets half of each q_proj row) is
     copied once for the native kernel rather than sent through the ~10-kernel reference composition. Training
     passes: :mod:`.train_fused` where it runs."""
-    if train_fused.active(x, weight):
+    if train_fused.active(x, weight) and train_fused.norm_width_ok(x):
         return train_fused.rms_norm(x, weight, eps, unit_offset)
     if eligible("rms_norm", x, weight, shape_ok=x.shape[-1] % 8 == 0, strided_first=True):
         return _native("rms_norm")(x.contiguous(), weight, eps, unit_offset)
@@ -518,7 +518,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor
 
 def add_rms_norm(x, residual, weight, eps: float, unit_offset: bool) -> tuple[Tensor, Tensor]:
     """See :func:`reference.add_rms_norm`; training passes: :mod:`.train_fused` where it runs."""
-    if train_fused.active(x, residual, weight):
+    if train_fused.active(x, residual, weight) and train_fused.norm_width_ok(x):
         return train_fused.add_rms_norm(x, residual, weight, eps, unit_offset)
     if eligible("add_rms_norm", x, residual, weight, shape_ok=x.shape[-1] % 8 == 0):
         return tuple(_native("add_rms_norm")(x, residual, weight, eps, unit_offset))

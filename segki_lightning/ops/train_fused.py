@@ -21,6 +21,12 @@ from torch import Tensor
 from .gdn_chunk import _fla_import_error
 
 SWITCH = "SEGKI_TRAIN_FUSED"
+# fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
+# compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
+# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm (per
+# head, width 128) runs in slices of exactly one bucket's rows or fewer, so the constant is always 1.
+ROW_KERNEL_MIN_WIDTH = 513
+GATED_BUCKET_ROWS = 2048 * 32
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
 
 
@@ -49,6 +55,11 @@ def _norm_weight(weight: Tensor, unit_offset: bool) -> Tensor:
     return 1.0 + weight.float() if unit_offset else weight
 
 
+def norm_width_ok(x: Tensor) -> bool:
+    """Whether fla's RMSNorm on ``x [..., D]`` compiles once for every token count (its row kernel, D > 512)."""
+    return x.shape[-1] >= ROW_KERNEL_MIN_WIDTH
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, unit_offset: bool) -> Tensor:
     """``x [..., H]`` -> ``[..., H]`` in x's dtype (see ``reference.rms_norm``)."""
     from fla.modules.layernorm import rms_norm as fla_rms_norm
@@ -69,7 +80,11 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``w * rmsnorm(x) * silu(z)`` per head: ``x, z [..., D]`` -> ``[..., D]`` (see ``reference.gated_rms_norm``)."""
     from fla.modules.fused_norm_gate import rms_norm_gated
 
-    return rms_norm_gated(x, z, weight, None, activation="swish", eps=eps)
+    d = x.shape[-1]
+    xs, zs = x.reshape(-1, d).split(GATED_BUCKET_ROWS), z.reshape(-1, d).split(GATED_BUCKET_ROWS)
+    # [rows, D] slices of <= GATED_BUCKET_ROWS rows -> one compiled kernel whatever the token count
+    out = [rms_norm_gated(a, b, weight, None, activation="swish", eps=eps) for a, b in zip(xs, zs)]
+    return (out[0] if len(out) == 1 else torch.cat(out)).view(x.shape)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:

@@ -77,43 +77,21 @@ def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
 
 
 def test_a_grpo_step_packed_equals_padded_at_the_0_8b_shape():
-    """Four layers of the Qwen3.5-0.8B shape (3 GDN + 1 attention, bf16, segki injected), five rows of 40-600 real
-    tokens: log-probs and the GRPO loss's parameter gradients of the packed pass against the padded one."""
-    from transformers import Qwen3_5ForCausalLM
+    """Four layers of the Qwen3.5-0.8B shape (3 GDN + 1 attention, segki injected), five rows of 38-600 real
+    tokens: the packed bf16 pass's log-probs and GRPO-loss parameter gradients against the padded one's, each judged
+    by its distance from the padded fp32 step (``grpo_step.judge``)."""
+    from segki_lightning.rl.logprobs import packs
 
-    from segki_lightning.inject import apply_segment_ki
-    from segki_lightning.rl import GRPOConfig
-    from segki_lightning.rl.logprobs import completion_logprobs, packs
-    from segki_lightning.rl.losses import Totals, grpo_loss
+    from . import grpo_step
 
-    from ..tiny_models import qwen35_config
-
-    cfg = qwen35_config(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2,
-                        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
-                        linear_value_head_dim=128, vocab_size=4096)
-    torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).cuda().train()
-    apply_segment_ki(model)
-    assert packs(model, injected=True)
+    fp32, bf16 = grpo_step.models(0)
+    assert packs(bf16, injected=True)
     gen = torch.Generator().manual_seed(1)
     prompt = [int(n) for n in torch.randint(8, 40, (5,), generator=gen)]
     completion = [int(n) for n in torch.randint(30, 560, (5,), generator=gen)]
-    pm = torch.zeros(5, max(prompt), dtype=torch.long)
-    cm = torch.zeros(5, max(completion), dtype=torch.long)
-    for r, (p, c) in enumerate(zip(prompt, completion)):
-        pm[r, -p:], cm[r, :c] = 1, 1
-    ids_p, ids_c = (torch.randint(2, 4096, m.shape, generator=gen) * m for m in (pm, cm))
-    batch = [t.cuda() for t in (ids_p, pm, ids_c, cm)]
-    adv = torch.randn(5, generator=gen).cuda()
-    mask, cfg, old = batch[3], GRPOConfig(), None
-    results = {}
-    for packed in (False, True):   # one GRPO (dapo) loss backward each, the padded pass's log-probs as the old ones
-        model.zero_grad()
-        s = completion_logprobs(model, *batch, packed=packed)
-        old = s.logp.detach() if old is None else old
-        grpo_loss(s.logp, old, None, adv, mask, cfg, Totals.of(mask))[0].backward()
-        results[packed] = (s.logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    (lp_pad, g_pad), (lp_pack, g_pack) = results[False], results[True]
+    inputs, adv = grpo_step.batch(prompt, completion, 2)
+    lp_t, old, truth = grpo_step.step(fp32, inputs, adv, packed=False)
+    lp_pad, _, g_pad = grpo_step.step(bf16, inputs, adv, packed=False, old=old)
+    lp_pack, _, g_pack = grpo_step.step(bf16, inputs, adv, packed=True, old=old)
     assert rel(lp_pack, lp_pad) <= 2e-2
-    worst = max((rel(g_pack[n], g_pad[n]), n) for n in g_pad if g_pad[n].norm() > 0)
-    assert worst[0] <= 5e-2, worst
+    grpo_step.judge(truth, g_pad, g_pack)
