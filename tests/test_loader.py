@@ -40,8 +40,21 @@ def test_resume_mid_epoch_continues_the_same_order():
 def test_a_plain_new_epoch_is_not_skipped():
     loader = make(0)
     list(loader)
-    assert loader.state_dict()["yielded"] == 12
+    assert loader.state_dict()["yielded"] == 0          # a finished epoch: the next one starts, nothing skipped
     assert len(list(loader)) == 12                      # no stale resume state
+
+
+def test_a_resume_after_an_epochs_last_batch_starts_the_next_epoch():
+    """The state taken after an epoch's last batch (as Lightning checkpoints it, having pulled exactly the
+    loader's length) resumes with the next epoch's batches, not an empty replay of the finished one; and a
+    consumer that stops at the length sees the same order as one that exhausts the iterator."""
+    seed = int(torch.randint(0, 2**31, ()))
+    want = batches(make(seed), 2)
+    first = make(seed)
+    seen = [b.tolist() for b in itertools.islice(iter(first), len(first))]   # Lightning's loop: stops at len
+    resumed = make(seed)
+    resumed.load_state_dict(first.state_dict())
+    assert seen == want[:12] and [b.tolist() for b in resumed] == want[12:]
 
 
 def test_repeated_batches_resume_mid_repeat():

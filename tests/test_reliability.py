@@ -279,3 +279,70 @@ def test_under_ddp_a_signal_to_one_rank_stops_both_after_the_same_step(tmp_path)
     assert proc.returncode == 143, proc.stderr[-3000:]
     assert "stopped by SIGTERM after step 2" in proc.stderr
     assert _state(tmp_path / "checkpoints" / "last.ckpt")["global_step"] == 2
+
+
+def _weights(path: Path) -> dict:
+    return torch.load(path, weights_only=False)["state_dict"]
+
+
+@pytest.mark.parametrize("prompts", [4, 6])   # epochs of 2 and 3 steps (2 prompts a step)
+def test_a_resume_from_any_step_equals_the_uninterrupted_run(tmp_path, prompts):
+    """Resumed from each step's checkpoint of one run -- epoch boundaries (a checkpoint after an epoch's last
+    batch) and mid-epoch -- with the same ``max_steps``: the same weights, bit for bit, and the same epoch."""
+    common = [f"task.size={prompts}", "task.eval_size=0", "checkpoint.every_n_train_steps=1",
+              "checkpoint.save_top_k=-1", f"trainer.max_steps={prompts + 1}", REWARD]
+    run(small(tmp_path / "straight", *common))
+    ckpts = tmp_path / "straight" / "checkpoints"
+    want = torch.load(ckpts / "last.ckpt", weights_only=False)
+    assert any(not torch.equal(v, _weights(ckpts / "step-000001.ckpt")[k]) for k, v in want["state_dict"].items())
+    for step in (prompts // 2, prompts // 2 + 1, prompts):   # the first boundary, one past it, the second
+        out = tmp_path / f"from{step}"
+        run(small(out, f"ckpt_path={ckpts / f'step-{step:06d}.ckpt'}", *common))
+        got = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+        assert (got["global_step"], got["epoch"]) == (want["global_step"], want["epoch"]), step
+        for k, v in want["state_dict"].items():
+            assert torch.equal(got["state_dict"][k], v), (step, k)
+
+
+def test_a_finished_run_resumed_with_more_steps_continues_its_schedule(tmp_path):
+    """A linear schedule ends at 0.0 on a finished run; resumed with a larger ``max_steps`` the schedule is the
+    new run's: its first new step trains at ``lr * (1 - 3/6)``, not at the 0.0 the optimizer was saved with."""
+    run(small(tmp_path, "checkpoint.every_n_train_steps=1", "trainer.max_steps=3", REWARD))
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == 0.0
+    run(small(tmp_path, "checkpoint.every_n_train_steps=1", "trainer.max_steps=6", REWARD,
+              f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}"))
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        lrs = {int(r["step"]): float(r["train/learning_rate"]) for r in csv.DictReader(f)
+               if r.get("train/learning_rate")}
+    base = lrs[0]
+    assert lrs[3] == pytest.approx(base * 0.5) and lrs[4] == pytest.approx(base * 2 / 6) and lrs[5] > 0
+
+
+@pytest.mark.parametrize("fail_at", [2, 3])   # mid-epoch, and the last batch of an epoch (4 prompts, 2 a step)
+def test_a_step_that_raises_leaves_the_last_finished_step_and_the_resume_is_exact(tmp_path, monkeypatch, fail_at):
+    """A reward function raising in step ``fail_at`` (before its optimizer step), no periodic checkpoint due:
+    ``last.ckpt`` holds step ``fail_at``'s start, and resuming from it equals the uninterrupted run bit for bit
+    (the failed step's prompts are handed out again)."""
+    common = ["task.size=4", "task.eval_size=0", "trainer.max_steps=5", REWARD]
+    run(small(tmp_path / "straight", *common))
+    calls = [0]
+    plain = FormatRegex.__call__
+
+    def flaky(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == fail_at + 1:
+            raise RuntimeError("the reward service is down")
+        return plain(self, *args, **kwargs)
+
+    monkeypatch.setattr(FormatRegex, "__call__", flaky)
+    with pytest.raises(RuntimeError, match="reward service is down"):
+        run(small(tmp_path / "failed", *common))
+    monkeypatch.setattr(FormatRegex, "__call__", plain)
+    last = tmp_path / "failed" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == fail_at
+    run(small(tmp_path / "failed", f"ckpt_path={last}", *common))
+    got = _weights(last)
+    want = _weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

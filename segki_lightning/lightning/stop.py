@@ -7,6 +7,11 @@ saying where the checkpoint is and exit status 128 + the signal (143 for SIGTERM
 signal abandons the step at once (KeyboardInterrupt, Lightning's own shutdown). Under several processes the
 ranks agree at each step's end (one small collective) and save together. SLURM's requeue signal stays with
 Lightning's ``SLURMEnvironment(auto_requeue=True)``, which saves its own checkpoint.
+
+An exception (a reward function that raises, an out-of-memory error) also leaves ``last.ckpt``, holding the last
+FINISHED step: when the step that raised had not reached its optimizer step, the prompt loader is rewound by
+that step's batch, so the resume runs it again (one process, ``accumulate_grad_batches=1``; elsewhere a line
+says why nothing is written, and the periodic checkpoints remain).
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class GracefulStop(Checkpoint):
         self.signals = tuple(signals)
         self._received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._step_at_batch_start: int | None = None
 
     @property
     def ckpt_path(self) -> Path:
@@ -73,6 +79,31 @@ class GracefulStop(Checkpoint):
         for s in self.signals:
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Checkpoint the last finished step when a fit fails (see the module docstring)."""
+        if isinstance(exception, TrainingInterrupted) or self._step_at_batch_start is None:
+            return   # already saved by a signal, or no step started
+        if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
+            rank_zero_info("segki: no checkpoint of the failed run (written for one process and "
+                           "accumulate_grad_batches=1 only); the periodic checkpoints remain")
+            return
+        if trainer.global_step == self._step_at_batch_start:   # the failing batch did not step: hand it out again
+            loader = trainer.train_dataloader
+            if not hasattr(loader, "unyield"):
+                rank_zero_info("segki: no checkpoint of the failed run: its prompt loader cannot hand the failed "
+                               "step's batch out again (use segki_lightning.rl.loader.ResumableLoader)")
+                return
+            loader.unyield()
+        trainer.save_checkpoint(str(self.ckpt_path))
+        rank_zero_info(f"segki: {type(exception).__name__} after step {trainer.global_step}; that step's checkpoint "
+                       f"is {self.ckpt_path} (resume with ckpt_path={self.ckpt_path})")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -384,6 +384,19 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             raise ValueError("algo.on_nonfinite=skip_step runs on one process only (ranks would skip different "
                              "steps and wait on each other): use algo.on_nonfinite=raise under DDP/FSDP")
         self.policy.train()
+        self._continue_schedule()
+
+    def _continue_schedule(self) -> None:
+        """The next step's learning rate from the schedule as built for THIS run's ``trainer.max_steps``, at the
+        step the run (re)starts from. A resumed checkpoint's optimizer holds the rate of the step it stopped
+        after -- 0.0 at the end of a finished linear schedule -- so a run resumed with a larger ``max_steps``
+        would take its first new step at that rate; an interrupted run resumed with the same ``max_steps`` gets
+        the very rate it had (the same formula, the same float)."""
+        for conf in self.trainer.lr_scheduler_configs:
+            sched = conf.scheduler
+            if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):   # transformers' get_scheduler kinds
+                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * fn(sched.last_epoch)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self.device.type == "cuda":

@@ -4,9 +4,13 @@ batch several times in a row (one rollout serves several optimizer steps, each a
 Lightning restarts a plain DataLoader from its first batch when it resumes mid-epoch, so a resumed RL run
 would see other prompts than the uninterrupted one. This loader records, per epoch, the state of its shuffle
 generator at the epoch's start and how many batches it has handed out; on resume it rewinds the generator
-and skips those batches, so the run continues with exactly the prompts it would have had."""
+and skips those batches, so the run continues with exactly the prompts it would have had. A checkpoint taken
+after an epoch's last batch records the next epoch's start instead (nothing to skip), so a resume there neither
+replays an empty epoch nor shifts the epoch count. An epoch never pulls past its last batch (a sampler asked for
+one more draws its next permutation: the uninterrupted run, whose loop stops at the length, never does)."""
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator
 
 import torch
@@ -40,16 +44,25 @@ class ResumableLoader(DataLoader):
             if resume and resume.get("epoch_start") is not None:
                 self.generator.set_state(resume["epoch_start"])
             self._epoch_start = self.generator.get_state().clone()
-        it = super().__iter__()
+        batches = itertools.islice(super().__iter__(), super().__len__())   # never past the epoch's last batch
         skip = resume["yielded"] if resume else 0
         self._yielded = 0
-        for batch in it:
+        for batch in batches:
             for _ in range(self.repeat):
                 self._yielded += 1
                 if self._yielded > skip:
                     yield batch
 
+    def unyield(self) -> None:
+        """Count the last batch handed out as not handed out (its step failed before training on it): a state
+        taken now resumes with that batch."""
+        if self._yielded < 1:
+            raise RuntimeError("no batch has been handed out in this epoch")
+        self._yielded -= 1
+
     def state_dict(self) -> dict[str, Any]:
+        if self._yielded >= len(self) and self.generator is not None:   # the epoch is over: the next one's start
+            return {"yielded": 0, "epoch_start": self.generator.get_state().clone()}
         return {"yielded": self._yielded, "epoch_start": self._epoch_start}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
