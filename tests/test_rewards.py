@@ -45,7 +45,7 @@ def test_metric_names_come_from_the_function():
 @pytest.mark.parametrize("bad,match", [
     (lambda p, c, **k: [1.0], "returned 1 values for 2 completions"),
     (lambda p, c, **k: None, "returned None for 2 completions"),
-    (lambda p, c, **k: ["high", "low"], "neither a number nor None"),
+    (lambda p, c, **k: ["high", "low"], "return a number .or None"),
 ])
 def test_bad_reward_outputs_say_what_to_return(bad, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -86,3 +86,23 @@ def test_hydra_takes_dotted_paths_and_partial_functions(tmp_path):
     cfg = small(tmp_path, "rewards.0.fn._target_=tests.test_rewards.only_short", "~rewards.0.fn.pattern")
     with pytest.raises(ValueError, match="_partial_: true"):
         build_rewards(cfg)
+
+
+@pytest.mark.parametrize("bad, error, words", [("1.0", TypeError, "returned '1.0' .str."),
+                                               ([1.0], TypeError, r"returned \[1.0\] .list."),
+                                               (float("nan"), ValueError, "returned NaN for completion 1")])
+def test_a_reward_value_that_is_not_a_number_names_the_function(bad, error, words):
+    def my_reward(prompts, completions, **kw):
+        return [1.0, bad]
+
+    with pytest.raises(error, match="reward my_reward " + words):
+        score(as_rewards([my_reward]), ["p", "p"], ["a", "b"], {})
+
+
+def test_numbers_of_other_types_and_none_are_taken():
+    import numpy as np
+    import torch
+
+    total, means = score(as_rewards([lambda p, c, **k: [np.float32(0.5), torch.tensor(2.0), True, None]]),
+                         ["p"] * 4, ["a"] * 4, {})
+    assert total == [0.5, 2.0, 1.0, 0.0]

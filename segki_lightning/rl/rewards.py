@@ -120,6 +120,26 @@ def as_rewards(funcs: Sequence[RewardFn | WeightedReward], weights: Sequence[flo
     return out
 
 
+def _numbers(label: str, values: Sequence[Any]) -> list[float]:
+    """A reward function's values as floats, ``None`` as NaN (TRL's "does not apply"). A string, another
+    non-number or a NaN of the function's own is an error naming it (a NaN would otherwise pass silently as
+    "does not apply"); +-inf is checked with the other non-finite values (:func:`check_rewards`)."""
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(math.nan)
+            continue
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
+            raise TypeError(f"reward {label} returned {v!r} ({type(v).__name__}) for completion {i}: return a number "
+                            "(or None where the reward does not apply) per completion")
+        f = float(v)
+        if math.isnan(f):
+            raise ValueError(f"reward {label} returned NaN for completion {i}: return None where the reward does "
+                             "not apply, a number otherwise")
+        out.append(f)
+    return out
+
+
 def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
           columns: dict[str, list], **extra: Any) -> tuple[list[float], dict[str, float]]:
     """Weighted total per completion and the mean of each reward function (for logging), TRL's semantics: a
@@ -136,10 +156,7 @@ def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions
             got = "None" if values is None else f"{len(values)} values"
             raise ValueError(f"reward {r.label} returned {got} for {n} completions: return one float (or None) "
                              "per completion")
-        try:
-            table.append([math.nan if v is None else float(v) for v in values])
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"reward {r.label} returned a value that is neither a number nor None: {err}") from None
+        table.append(_numbers(r.label, values))
     check_rewards(table, [r.label for r in rewards])
     means = {}
     for r, values in zip(rewards, table):
