@@ -27,7 +27,7 @@ class RolloutConf:
     use_segki: bool = True
     graph_capture: bool = True
     max_batch_size: int = 64
-    max_seq_len: int = 64
+    max_seq_len: int | None = None   # most prompt + completion tokens; null: algo.max_prompt_length + max_completion_length
     keep_gathered: bool = True   # trainer.strategy=fsdp: keep the gathered full weights between rollouts
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.resources
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -166,15 +167,16 @@ def run(cfg) -> dict:
 
     check_complete(cfg)
     quiet_known_warnings(cfg)
-    pl.seed_everything(cfg.seed, workers=True)
-    policy, tokenizer = build_policy(cfg)
-    rewards = build_rewards(cfg)
     algorithms = {"grpo": (GRPOConfig, GRPOModule), "ppo": (PPOConfig, PPOModule)}
     if cfg.algorithm not in algorithms:
         raise ValueError(f"algorithm must be one of {sorted(algorithms)}, got {cfg.algorithm!r}")
     conf_cls, module_cls = algorithms[cfg.algorithm]
     module_cls = module_class(cfg.module, module_cls)
-    algo = conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True))
+    algo = build_algo(cfg, conf_cls)   # settings checked before the model loads
+    rollout_kw = rollout_settings(cfg, algo)
+    pl.seed_everything(cfg.seed, workers=True)
+    policy, tokenizer = build_policy(cfg)
+    rewards = build_rewards(cfg)
     module = module_cls(policy, tokenizer, rewards, algo)
     root = cfg.trainer.default_root_dir
     if cfg.export_dir:
@@ -184,7 +186,7 @@ def run(cfg) -> dict:
                            enable_version_counter=False,
                            every_n_train_steps=cfg.checkpoint.every_n_train_steps, save_last=cfg.checkpoint.save_last,
                            save_top_k=cfg.checkpoint.save_top_k, monitor="step", mode="max")
-    callbacks = [SegKICallback(**OmegaConf.to_container(cfg.rollout, resolve=True)), ckpt, GracefulStop(ckpt_dir),
+    callbacks = [SegKICallback(**rollout_kw), ckpt, GracefulStop(ckpt_dir),
                  RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kw["logger"] = build_loggers(cfg)
@@ -199,6 +201,44 @@ def run(cfg) -> dict:
     if cfg.export_dir:
         export(module, cfg.export_dir)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def build_algo(cfg, conf_cls: type):
+    """The algorithm's config from ``cfg.algo``; a bad value is one error naming its key (``algo.<name>``)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    try:
+        return conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True))
+    except (ValueError, TypeError) as err:
+        msg = str(err)
+        for f in dataclasses.fields(conf_cls):   # "max_grad_norm must be > 0" -> "algo.max_grad_norm must be > 0"
+            msg = re.sub(rf"(?<![\w.]){f.name}(?![\w])", f"algo.{f.name}", msg)
+        raise type(err)(msg) from None
+
+
+def rollout_settings(cfg, algo) -> dict:
+    """``cfg.rollout`` for the SegKICallback, ``max_seq_len`` derived as ``algo.max_prompt_length +
+    algo.max_completion_length`` when unset (TRL sizes its generation that way), else checked against them, so
+    that no rollout can outgrow the engine's cache."""
+    from omegaconf import OmegaConf
+
+    kw = OmegaConf.to_container(cfg.rollout, resolve=True)
+    need = None if algo.max_prompt_length is None else algo.max_prompt_length + algo.max_completion_length
+    if kw["max_seq_len"] is None:
+        if need is None:
+            raise ValueError("algo.max_prompt_length=null (no prompt limit) needs an explicit rollout.max_seq_len "
+                             "(most prompt + completion tokens)")
+        kw["max_seq_len"] = need
+    elif need is not None and kw["max_seq_len"] < need:
+        raise ValueError(f"rollout.max_seq_len={kw['max_seq_len']} is less than algo.max_prompt_length + "
+                         f"algo.max_completion_length = {algo.max_prompt_length} + {algo.max_completion_length}: "
+                         "raise rollout.max_seq_len (or leave it unset: null derives it), or lower those")
+    elif kw["max_seq_len"] <= algo.max_completion_length:
+        raise ValueError(f"rollout.max_seq_len={kw['max_seq_len']} leaves no room for a prompt before "
+                         f"algo.max_completion_length={algo.max_completion_length} tokens: raise it")
+    return kw
 
 
 def check_writable(path: str, key: str) -> None:

@@ -45,3 +45,33 @@ def test_fit_on_a_bare_dataset_says_how_to_batch_it(tmp_path):
                          default_root_dir=tmp_path)
     with pytest.raises(TypeError, match="collate_fn=segki_lightning.rl.task.collate"):
         trainer.fit(tiny_module(), train_dataloaders=data)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["algo.max_grad_norm=-1"], r"algo\.max_grad_norm must be > 0"),
+    (["algo.loss_type=ppo"], r"algo\.loss_type must be one of"),
+    (["algo.num_generations=1"], r"algo\.num_generations must be >= 2"),
+    (["rollout.max_seq_len=40", "algo.max_completion_length=30"],
+     r"rollout\.max_seq_len=40 is less than algo\.max_prompt_length \+ algo\.max_completion_length = 58 \+ 30"),
+    (["algo.max_prompt_length=null"], r"algo\.max_prompt_length=null .* needs an explicit rollout\.max_seq_len"),
+])
+def test_a_bad_setting_names_its_key_before_the_model_loads(tmp_path, monkeypatch, overrides, words):
+    import segki_lightning.train as train
+
+    def no_model(cfg):
+        raise AssertionError("the model loaded before the settings were checked")
+
+    monkeypatch.setattr(train, "build_policy", no_model)
+    with pytest.raises(ValueError, match=words):
+        run(small(tmp_path, *overrides))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_longer_completion_alone_sizes_the_rollout(tmp_path):
+    """``algo.max_completion_length`` alone is enough: ``rollout.max_seq_len`` follows it (TRL's way)."""
+    from segki_lightning.train import rollout_settings
+    from segki_lightning.rl import GRPOConfig
+
+    cfg = small(tmp_path, "algo.max_completion_length=256")
+    assert rollout_settings(cfg, GRPOConfig(max_prompt_length=58, max_completion_length=256))["max_seq_len"] == 314
+    run(small(tmp_path, "algo.max_completion_length=12", "trainer.max_steps=1"))
