@@ -33,11 +33,19 @@ class RolloutConf:
 
 @dataclass
 class TaskConf:
-    path: str | None = MISSING      # .jsonl/.parquet prompts; null (task=synthetic): the synthetic addition task
+    path: str | None = MISSING      # a local .jsonl/.json/.parquet/.csv file or dataset folder, or a Hub dataset id;
+                                    # null (task=synthetic): the synthetic addition task
+    config: str | None = None       # the dataset's configuration (datasets.load_dataset's name, e.g. gsm8k's main)
+    split: str = "train"
+    revision: str | None = None     # a Hub dataset's branch, tag or commit
+    columns: dict[str, str] = field(default_factory=dict)   # renames, e.g. {question: prompt}
     prompt_column: str = "prompt"
+    system_prompt: str | None = None   # given: text prompts become [system, user] conversations (chat template)
+    conversational: bool = False    # text prompts become [user] conversations (the policy's chat template renders them)
     size: int = 4096
     prompts_per_step: int = 8
-    eval_path: str | None = None    # held-out prompts for validation (.jsonl/.parquet); None: eval_size synthetic ones
+    eval_path: str | None = None    # held-out prompts for validation (a file, folder or Hub id, its eval_split)
+    eval_split: str | None = None   # validation split of eval_path, else of path (e.g. test)
     eval_size: int = 64             # synthetic held-out prompts (0: no validation on the synthetic task)
     seed: int = 0
 

@@ -70,11 +70,16 @@ def build_rewards(cfg) -> list:
     return out
 
 
-def prompts(cfg, path: str | None, size: int, seed: int):
-    """Prompts of a local file at ``path`` (its ``task.prompt_column``), else ``size`` synthetic ones."""
-    from .rl.task import PromptFile, SyntheticAddition
+def prompts(cfg, path: str | None, size: int, seed: int, split: str | None = None, key: str = "task.path"):
+    """Prompts of the dataset at ``path`` (a local file or folder or a Hub dataset id; ``task.*`` says which
+    config, split, columns and chat form), else ``size`` synthetic ones."""
+    from .rl.task import PromptRows, SyntheticAddition
 
-    return PromptFile(path, cfg.task.prompt_column) if path else SyntheticAddition(size, seed)
+    if not path:
+        return SyntheticAddition(size, seed)
+    t = cfg.task
+    return PromptRows(path, t.prompt_column, t.config, split or t.split, t.revision, t.columns, t.system_prompt,
+                      t.conversational, key)
 
 
 def build_data(cfg, repeat: int = 1):
@@ -110,20 +115,27 @@ def build_loggers(cfg) -> Any:
 
 
 def build_eval_data(cfg):
-    """Held-out prompts for validation: ``task.eval_path``, else ``task.eval_size`` synthetic prompts (another
-    seed) when the task is synthetic; None when there are none."""
+    """Held-out prompts for validation: ``task.eval_path`` (its ``task.eval_split``), else ``task.eval_split`` of
+    ``task.path``, else ``task.eval_size`` synthetic prompts (another seed) when the task is synthetic; None when
+    there are none."""
     from torch.utils.data import DataLoader
 
     from .rl.task import collate
 
-    if not cfg.task.eval_path and (cfg.task.path or cfg.task.eval_size <= 0):
+    t = cfg.task
+    if t.eval_path:
+        ds = prompts(cfg, t.eval_path, 0, 0, t.eval_split or "train", key="task.eval_path")
+    elif t.eval_split and t.path:
+        ds = prompts(cfg, t.path, 0, 0, t.eval_split)
+    elif t.path or t.eval_size <= 0:
         return None
-    ds = prompts(cfg, cfg.task.eval_path, cfg.task.eval_size, cfg.task.seed + 1)
+    else:
+        ds = prompts(cfg, None, t.eval_size, t.seed + 1)
     return DataLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=False, collate_fn=collate)
 
 
 HINTS = {"model.pretrained": "model.pretrained=/path/to/checkpoint (a folder saved with save_pretrained)",
-         "task.path": "task.path=/path/to/prompts.jsonl (or .parquet)"}
+         "task.path": "task.path=/path/to/prompts.jsonl (or .parquet, a dataset folder, a Hub dataset id)"}
 
 
 class _NotOnCPU(logging.Filter):

@@ -55,6 +55,60 @@ class ExactMatch:
         return [float(f is not None and float(f) == float(a)) for f, a in zip(found, answers)]
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` in ``text`` (nested braces kept), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def _as_number(text: str) -> float | None:
+    t = text.strip().replace(",", "").replace("$", "").rstrip(".")
+    try:
+        return float(t)
+    except ValueError:
+        return None
+
+
+def final_answer(text: str) -> str | None:
+    """A text's final answer: its last ``\\boxed{...}``, else what follows its last ``####`` (GSM8K's form), else
+    its last number; None when it has none."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    if "####" in text:
+        return text.rsplit("####", 1)[1].strip()
+    return last_number(text.replace(",", ""))
+
+
+class MathAnswer:
+    """1.0 when the completion's final answer (:func:`final_answer`) equals the reference's -- the ``column``
+    value's final answer, so a GSM8K solution ending in ``#### 72`` or a MATH ``\\boxed{}`` both work -- else 0.0.
+    Equal as numbers when both parse (commas, ``$`` and a trailing period dropped: ``1,000`` == ``1000.0``), else
+    as stripped strings."""
+
+    def __init__(self, column: str = "answer"):
+        self.column = column
+        self.__name__ = "math_answer"
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns) -> list[float]:
+        out = []
+        for c, ref in zip(completions, column(columns, self.column, self.__name__)):
+            got, want = final_answer(text_of(c)), final_answer(str(ref)) or str(ref).strip()
+            if got is None:
+                out.append(0.0)
+                continue
+            a, b = _as_number(got), _as_number(want)
+            out.append(float(a == b if a is not None and b is not None else got == want))
+        return out
+
+
 class FormatRegex:
     """1.0 when the whole completion matches ``pattern`` (stripped), else 0.0."""
 

@@ -1,7 +1,9 @@
-"""Prompts and tokenizers: the embedded synthetic verifiable task (default, no downloads), local JSONL or
-Parquet files through ``datasets``, and a character tokenizer built locally with ``tokenizers``."""
+"""Prompts and tokenizers: the embedded synthetic verifiable task (default, no downloads), datasets through
+``datasets`` (local files and folders, Hub dataset ids), and a character tokenizer built locally with
+``tokenizers``."""
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -47,37 +49,99 @@ class SyntheticAddition(Dataset):
         return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
-class PromptFile(Dataset):
-    """Rows of a local ``.jsonl`` / ``.json`` / ``.parquet`` file; ``prompt_column`` holds the prompt, all
-    other columns are passed on to the reward functions."""
+FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
-    def __init__(self, path: str, prompt_column: str = "prompt"):
-        import datasets
 
-        p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"prompt file {path} does not exist: give task.path a local .jsonl or .parquet")
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)
-        if kind is None:
-            raise ValueError(f"prompt file {path}: use .jsonl, .json or .parquet")
-        if p.stat().st_size == 0:
-            raise ValueError(f"prompt file {path} is empty: give task.path a file with one prompt per row")
-        try:
-            self.data = datasets.load_dataset(kind, data_files=str(p), split="train")
-        except Exception as err:   # datasets raises bare StopIteration / its own errors on unreadable files
-            raise ValueError(f"prompt file {path} could not be read as {kind}: {type(err).__name__} {err}") from err
-        if len(self.data) == 0:
-            raise ValueError(f"prompt file {path} has no rows")
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def load_rows(path: str, config: str | None = None, split: str = "train", revision: str | None = None,
+              key: str = "task.path"):
+    """A ``datasets.Dataset`` from a local data file (.jsonl/.json/.parquet/.csv), a local dataset folder, or a Hub
+    dataset id (``datasets.load_dataset(path, config, split=split)``, downloaded into the Hub cache; offline,
+    ``HF_HUB_OFFLINE=1``, read from datasets' own cache or a snapshot in the Hub cache). One error naming ``key``
+    (and ``task.config`` / ``task.split`` where those are wrong) for anything else."""
+    import datasets
+
+    p = Path(path)
+    if p.is_file():
+        return _load_file(p, key)
+    if not p.is_dir() and (p.suffix in FILE_KINDS or path.startswith(("/", ".", "~")) or path.count("/") > 1):
+        raise FileNotFoundError(f"{key}={path} does not exist (a local file or folder; a Hub dataset id is org/name)")
+    where = f"{key}={path}" + (f" (task.config={config})" if config else "")
+    try:
+        return datasets.load_dataset(str(p) if p.is_dir() else path, config, split=split, revision=revision)
+    except ValueError as err:   # an unknown split or config of a dataset that was found
+        raise ValueError(f"{where}: {err} -- set task.split / task.config to one it has") from None
+    except Exception as err:   # no such dataset, no network, or offline without datasets' cache of it
+        folder = _hub_snapshot(path, revision) if not p.is_dir() and _offline() else None
+        if folder is not None:
+            return load_rows(folder, config, split, None, key)
+        mode = "in the local caches (HF_HUB_OFFLINE=1)" if _offline() else "on the Hub"
+        raise FileNotFoundError(f"{where} is neither a local file or folder nor a dataset found {mode}: "
+                                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> str | None:
+    """The Hub cache's snapshot folder of dataset ``repo_id`` (no download), or None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, repo_type="dataset", revision=revision, local_files_only=True)
+    except Exception:
+        return None
+
+
+def _load_file(p: Path, key: str):
+    import datasets
+
+    kind = FILE_KINDS.get(p.suffix)
+    if kind is None:
+        raise ValueError(f"{key}={p}: use a .jsonl, .json, .parquet or .csv file, a dataset folder or a Hub dataset id")
+    if p.stat().st_size == 0:
+        raise ValueError(f"prompt file {p} is empty: give {key} a file with one prompt per row")
+    try:
+        return datasets.load_dataset(kind, data_files=str(p), split="train")
+    except Exception as err:   # datasets raises bare StopIteration / its own errors on unreadable files
+        raise ValueError(f"prompt file {p} could not be read as {kind}: {type(err).__name__} {err}") from err
+
+
+class PromptRows(Dataset):
+    """Prompts from :func:`load_rows`: ``prompt_column`` holds the prompt (after ``columns`` renames, e.g.
+    ``{question: prompt}``); every other column is passed on to the reward functions by name. With
+    ``conversational`` (or a ``system_prompt``) a text prompt becomes TRL's conversational form, ``[{"role":
+    "system", ...}, {"role": "user", "content": prompt}]``, which the policy's chat template renders."""
+
+    def __init__(self, path: str, prompt_column: str = "prompt", config: str | None = None, split: str = "train",
+                 revision: str | None = None, columns: dict[str, str] | None = None, system_prompt: str | None = None,
+                 conversational: bool = False, key: str = "task.path"):
+        data = load_rows(path, config, split, revision, key)
+        if len(data) == 0:
+            raise ValueError(f"{key}={path} has no rows (split {split!r})")
+        columns = dict(columns or {})
+        missing = sorted(set(columns) - set(data.column_names))
+        if missing:
+            raise ValueError(f"task.columns renames {missing}, which {path} does not have (columns: {data.column_names})")
+        self.data = data.rename_columns(columns) if columns else data
         if prompt_column not in self.data.column_names:
-            raise ValueError(f"{path} has no column {prompt_column!r} (columns: {self.data.column_names})")
-        self.prompt_column = prompt_column
+            raise ValueError(f"{path} has no column {prompt_column!r} (columns: {self.data.column_names}): set "
+                             "task.prompt_column, or rename one with task.columns={<name>: prompt}")
+        self.prompt_column, self.system_prompt = prompt_column, system_prompt
+        self.conversational = conversational or system_prompt is not None
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> dict:
         row = dict(self.data[i])
-        row["prompt"] = row.pop(self.prompt_column)
+        prompt = row.pop(self.prompt_column)
+        if self.conversational and isinstance(prompt, str):
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            prompt = system + [{"role": "user", "content": prompt}]
+        row["prompt"] = prompt
         return row
 
 
