@@ -1,4 +1,5 @@
-"""Advantages: GRPO's group-normalised rewards, PPO's generalised advantage estimation and whitening."""
+"""Advantages: GRPO's group-normalised rewards, RLOO's leave-one-out baseline, REINFORCE++-baseline's
+batch-whitened group baseline, PPO's generalised advantage estimation and whitening."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +17,28 @@ def group_advantages(rewards: Tensor, group: int, scale: str, batch_std: Tensor 
     elif scale == "batch":
         adv = adv / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
     return adv.reshape(-1)
+
+
+def rloo_advantages(rewards: Tensor, group: int) -> Tensor:
+    """``[N]`` rewards -> ``r_i - mean of the other G - 1 rewards of its group`` (TRL's RLOOTrainer,
+    ``normalize_advantages=False``): ``G / (G - 1) x (r_i - group mean)``, an unbiased baseline."""
+    r = rewards.view(-1, group)
+    return (r - (r.sum(1, keepdim=True) - r) / (group - 1)).reshape(-1)
+
+
+def reinforce_pp_advantages(rewards: Tensor, group: int, lengths: Tensor) -> Tensor:
+    """``[N]`` rewards -> REINFORCE++-baseline's advantages: ``r - group mean``, put on every completion token and
+    whitened over all tokens of the batch (every rank's) as verl's ``masked_whiten`` does: ``(a_i - mu) /
+    sqrt(var + 1e-8)``, ``mu`` and ``var`` the token-weighted mean and unbiased variance (each row counts its
+    ``lengths`` tokens; Bessel's correction over the token count)."""
+    from .dist import gather_rows
+
+    a = (rewards.view(-1, group) - rewards.view(-1, group).mean(1, keepdim=True)).reshape(-1)
+    a_all, w_all = gather_rows(a), gather_rows(lengths.to(a.dtype))
+    total = w_all.sum().clamp_min(1)
+    mean = (a_all * w_all).sum() / total
+    var = (((a_all - mean) ** 2) * w_all).sum() / total * (total / (total - 1).clamp_min(1))
+    return (a - mean) * torch.rsqrt(var + 1e-8)
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:

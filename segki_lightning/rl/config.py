@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SCALES = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
@@ -115,6 +116,15 @@ class GRPOConfig(RLConfig):
     use_bias_correction_kl: bool = False
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    advantage_estimator: str = "grpo"
+    entropy_coef: float = 0.0
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
 
     @property
     def steps_per_rollout(self) -> int:
@@ -141,6 +151,21 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"scale_rewards must be one of {SCALES}, got {self.scale_rewards!r}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got "
+                             f"{self.advantage_estimator!r}")
+        if min(self.vespo_lambda_pos, self.vespo_lambda_neg) <= 0 or min(self.vespo_k_pos, self.vespo_k_neg) < 0:
+            raise ValueError("vespo_lambda_pos and vespo_lambda_neg must be > 0, vespo_k_pos and vespo_k_neg >= 0, got "
+                             f"{self.vespo_lambda_pos}, {self.vespo_lambda_neg}, {self.vespo_k_pos}, {self.vespo_k_neg}")
+        if self.loss_type == "vespo" and self.importance_sampling_mode.startswith("sequence"):
+            raise ValueError("loss_type=vespo folds the sampler correction into its sequence weight token by token: "
+                             "importance_sampling_mode must be token_truncate or token_mask")
+        if self.sync_ref_model and self.beta == 0.0:
+            raise ValueError("sync_ref_model=True needs the reference model, which beta=0.0 does not build: set beta "
+                             "> 0 or sync_ref_model=False")
+        if not 0.0 <= self.ref_model_mixup_alpha <= 1.0 or self.ref_model_sync_steps < 1:
+            raise ValueError(f"ref_model_mixup_alpha must be in [0, 1] and ref_model_sync_steps >= 1, got "
+                             f"{self.ref_model_mixup_alpha}, {self.ref_model_sync_steps}")
 
 
 @dataclass

@@ -6,12 +6,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .advantages import group_advantages, high_entropy_mask
+from .advantages import group_advantages, high_entropy_mask, reinforce_pp_advantages, rloo_advantages
 from .base import RLModule
 from .buffer import RolloutBuffer, schedule
 from .config import GRPOConfig
 from .dist import gather_rows
-from .losses import Totals, grpo_loss, token_mean
+from .losses import Totals, entropy_bonus, grpo_loss, token_mean
 from .rewards import WeightedReward
 
 
@@ -41,11 +41,10 @@ class GRPOModule(RLModule):
         cfg, g = self.cfg, self.cfg.num_generations
         s = self.rollout_and_score(batch, g)
         ro = s.batch
-        batch_std = gather_rows(s.rewards).std() if cfg.scale_rewards == "batch" else None
-        data = {"adv": group_advantages(s.rewards, g, cfg.scale_rewards, batch_std),            # [N]
-                "mask": ro.completion_mask}                                                    # [N, T]
+        data = {"mask": ro.completion_mask}                                                    # [N, T]
         if cfg.mask_truncated_completions:
             data["mask"] = data["mask"] * (ro.completion_ids == self.eos_token_id).any(1)[:, None].long()
+        data["adv"] = self.advantages(s.rewards, data["mask"])                                 # [N]
         if cfg.steps_per_rollout > 1 or cfg.top_entropy_quantile < 1.0:
             old = self.old_scores(ro)
             data["old_logp"] = old.logp
@@ -57,15 +56,49 @@ class GRPOModule(RLModule):
         steps = schedule(len(ro), cfg.steps_per_generation, cfg.num_iterations, False, gen, ro.completion_ids.device)
         return RolloutBuffer(s, data, steps)
 
+    def advantages(self, rewards: Tensor, mask: Tensor) -> Tensor:
+        """``[N]`` advantages of ``[N]`` rewards by ``advantage_estimator``: ``grpo`` (group mean removed, scaled
+        by ``scale_rewards``), ``rloo`` (leave-one-out baseline, unscaled) or ``reinforce_pp`` (group mean removed,
+        whitened over the batch's loss tokens ``mask [N, T]``)."""
+        cfg, g = self.cfg, self.cfg.num_generations
+        if cfg.advantage_estimator == "rloo":
+            return rloo_advantages(rewards, g)
+        if cfg.advantage_estimator == "reinforce_pp":
+            return reinforce_pp_advantages(rewards, g, mask.sum(1))
+        batch_std = gather_rows(rewards).std() if cfg.scale_rewards == "batch" else None
+        return group_advantages(rewards, g, cfg.scale_rewards, batch_std)
+
     def step_loss(self, buf: RolloutBuffer, rows: Tensor, totals: Totals) -> tuple[Tensor, dict[str, Tensor]]:
         cfg, d = self.cfg, buf.data
         mask = d["mask"][rows]
         sc = self.scores(self.policy, buf.scored.batch, rows)                                   # [n, T] each
         old = d["old_logp"][rows] if "old_logp" in d else sc.logp.detach()
         weights, stats = self.corrected(old, buf.scored.batch.logprobs[rows], mask, totals)
+        sampler_ratio = None
+        if cfg.loss_type == "vespo":   # VESPO folds the correction into its sequence weight
+            sampler_ratio, weights = weights, None
         if "token_weight" in d:
             weights = d["token_weight"][rows] if weights is None else weights * d["token_weight"][rows]
         ref = d["ref_logp"][rows] if "ref_logp" in d else None
-        loss, part = grpo_loss(sc.logp, old, ref, d["adv"][rows], mask, cfg, totals, weights)
+        loss, part = grpo_loss(sc.logp, old, ref, d["adv"][rows], mask, cfg, totals, weights, sampler_ratio)
+        if cfg.entropy_coef:   # TRL's bonus: on the same tokens as the policy term
+            m = mask.float() * d["token_weight"][rows] if "token_weight" in d else mask.float()
+            loss = loss - cfg.entropy_coef * entropy_bonus(sc.entropy, m, cfg.loss_type, totals)
         part["entropy"] = token_mean(sc.entropy.detach(), mask.float(), totals)
         return loss, {**part, **stats}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        """TRL's ``sync_ref_model``: every ``ref_model_sync_steps`` optimizer steps the reference moves towards
+        the policy, ``ref = alpha * policy + (1 - alpha) * ref`` (``ref_model_mixup_alpha``)."""
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        cfg = self.cfg
+        if cfg.sync_ref_model and self.reference is not None and self.global_step % cfg.ref_model_sync_steps == 0:
+            mix_into(self.reference, self.policy, cfg.ref_model_mixup_alpha)
+
+
+@torch.no_grad()
+def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
+    """``target = alpha * source + (1 - alpha) * target``, parameter by parameter, in place (each in its own
+    dtype and placement)."""
+    for t, src in zip(target.parameters(), source.parameters(), strict=True):
+        t.mul_(1.0 - alpha).add_(src.to(t.dtype), alpha=alpha)

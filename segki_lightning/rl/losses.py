@@ -3,9 +3,11 @@ batch (:class:`Totals`), so the losses and gradients of the micro-batches add up
 
 Each GRPO formula is TRL's ``GRPOTrainer._compute_loss`` (1.x) written out: the clipped surrogate (DAPO's
 asymmetric ``epsilon_high``, two-sided ``delta``), GSPO's sequence-level ratio, CISPO's truncated and
-detached IS weight on the log-prob, SAPO's soft sigmoid gate, the k3 KL (optionally IS-weighted)."""
+detached IS weight on the log-prob, SAPO's soft sigmoid gate, VESPO's gamma weight of the sequence ratio, LUSPO's
+length-scaled sequence loss, the k3 KL (optionally IS-weighted), the entropy bonus."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +42,10 @@ def token_mean(x: Tensor, mask: Tensor, totals: Totals) -> Tensor:
 def aggregate(per_token: Tensor, mask: Tensor, loss_type: str, max_len: int, totals: Totals) -> Tensor:
     """TRL's loss aggregations: ``grpo``/``sapo`` the mean over rows of each row's token mean; ``dr_grpo`` the
     sum over a fixed ``rows x max_completion_length``; ``bnpo`` this rank's token mean; ``dapo``/``cispo`` the
-    token mean over all ranks."""
+    token mean over all ranks; ``luspo`` each row's loss summed over its tokens (its sequence loss times its
+    length), averaged over the rows."""
+    if loss_type == "luspo":
+        return (per_token * mask).sum() / totals.rows
     if loss_type in ("grpo", "sapo"):
         return ((per_token * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / totals.rows
     if loss_type == "dr_grpo":
@@ -55,13 +60,40 @@ def sapo_gate(ratio: Tensor, temperature: float) -> Tensor:
     return torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature
 
 
+@torch.no_grad()
+def vespo_weight(log_ratio: Tensor, mask: Tensor, adv: Tensor, cfg: GRPOConfig,
+                 sampler_ratio: Tensor | None = None) -> Tensor:
+    """VESPO's ``[n, 1]`` gradient scale ``phi(w) = e^lam w^k e^(-lam w)`` (``phi(1) = 1``) of the sequence ratio
+    ``w = prod pi/pi_old`` (times the sampler correction's per-token ratios), ``k, lam`` by the advantage's sign;
+    in log space, clamped as TRL's ``get_gamma_weights``, detached."""
+    floor = math.log(1e-8)
+    seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)                    # [n, 1]
+    if sampler_ratio is not None:
+        seq = seq + (torch.log(sampler_ratio.expand_as(mask)).clamp(floor, 20.0) * mask).sum(-1, keepdim=True)
+    log_w = seq.clamp(floor, 20.0)
+    pos = adv[:, None] >= 0
+    k = torch.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = torch.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, loss_type: str, totals: Totals) -> Tensor:
+    """This micro-batch's share of the step's mean per-token entropy, as TRL adds ``-entropy_coef x`` it: over
+    every rank's tokens for the globally normalised losses (``dapo``, ``cispo``, ``vespo``), this rank's token
+    mean otherwise."""
+    if loss_type in ("dapo", "cispo", "vespo"):
+        return (entropy * mask).sum() / totals.global_tokens
+    return (entropy * mask).sum() / totals.tokens
+
+
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
-              cfg: GRPOConfig, totals: Totals | None = None, weights: Tensor | None = None
-              ) -> tuple[Tensor, dict[str, Tensor]]:
+              cfg: GRPOConfig, totals: Totals | None = None, weights: Tensor | None = None,
+              sampler_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO-family loss of ``[n, T]`` log-probs (current, old, reference), ``[n]`` advantages, ``mask``.
 
     ``weights`` (``[n, T]`` or ``[n, 1]``) multiply the policy term per token: importance-sampling weights and
-    the high-entropy token mask. Stats are this micro-batch's share of the batch's token means:
+    the high-entropy token mask. ``loss_type=vespo`` takes the sampler correction as ``sampler_ratio`` instead
+    (folded into its sequence weight, as TRL does). Stats are this micro-batch's share of the batch's token means:
     ``clip_ratio`` (``/low``, ``/high``) and ``kl``."""
     m = mask.float()
     totals = totals or Totals.of(m)
@@ -78,6 +110,9 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tens
         gate = torch.where(a > 0, sapo_gate(coef, cfg.sapo_temperature_pos), sapo_gate(coef, cfg.sapo_temperature_neg))
         per_token = -gate * a
         low = high = torch.zeros_like(coef, dtype=torch.bool)
+    elif cfg.loss_type == "vespo":   # the token-level log ratio, whatever importance_sampling_level says
+        per_token = -vespo_weight(logp - old_logp, m, adv, cfg, sampler_ratio) * a * logp
+        low = high = torch.zeros_like(per_token, dtype=torch.bool)
     else:
         clipped = coef.clamp(1 - lo, 1 + hi)
         unclipped = coef.clamp(max=cfg.delta) if cfg.delta is not None else coef

@@ -133,6 +133,33 @@ class LengthPenalty:
         return [-min(1.0, max(0, len(text_of(c)) - self.target) / self.target) for c in completions]
 
 
+class SoftOverlongPunishment:
+    """DAPO's soft overlong punishment (TRL's ``get_soft_overlong_punishment``), on the completion's token count
+    ``L``: 0 up to ``max_completion_len - soft_punish_cache``, then falling linearly to -1 at
+    ``max_completion_len``, -1 past it. Add it beside the task's rewards (``rewards=[..., {_target_:
+    segki_lightning.rl.rewards.SoftOverlongPunishment, max_completion_len: 512, soft_punish_cache: 64}]``)."""
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        if not 0 <= soft_punish_cache <= max_completion_len:
+            raise ValueError(f"soft_punish_cache must be in [0, max_completion_len], got {soft_punish_cache} and "
+                             f"{max_completion_len}")
+        self.max_len, self.cache = max_completion_len, soft_punish_cache
+        self.__name__ = "soft_overlong_punishment"
+
+    def __call__(self, prompts, completions, completion_ids: Sequence[Sequence[int]] | None = None,
+                 **columns) -> list[float]:
+        if completion_ids is None:
+            raise ValueError("soft_overlong_punishment needs completion_ids (passed by the GRPO/PPO modules)")
+        free = self.max_len - self.cache
+        return [0.0 if len(ids) <= free else (free - len(ids)) / self.cache if len(ids) <= self.max_len else -1.0
+                for ids in completion_ids]
+
+
+def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> SoftOverlongPunishment:
+    """TRL's name for :class:`SoftOverlongPunishment`."""
+    return SoftOverlongPunishment(max_completion_len, soft_punish_cache)
+
+
 @dataclass
 class WeightedReward:
     """A reward function with its weight; ``name`` labels its logged mean (default: the function's name)."""

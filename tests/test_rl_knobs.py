@@ -1,0 +1,204 @@
+"""The RL knobs beyond TRL's first GRPO: LUSPO and VESPO losses, the entropy bonus, the reference-model sync, the
+RLOO and REINFORCE++-baseline advantage estimators and the soft overlong punishment -- each against a
+transcription of the formula of the library that defines it (TRL 1.x's GRPOTrainer, RLOOTrainer and
+get_soft_overlong_punishment; verl's REINFORCE++-baseline with its masked_whiten), on fresh random inputs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from segki_lightning.rl import GRPOConfig
+from segki_lightning.rl.advantages import reinforce_pp_advantages, rloo_advantages
+from segki_lightning.rl.grpo import mix_into
+from segki_lightning.rl.losses import Totals, entropy_bonus, grpo_loss
+from segki_lightning.rl.rewards import get_soft_overlong_punishment
+
+from .test_lightning import tiny_module
+
+
+def rand_batch(n=6, t=9, seed=None):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())) if seed is None else seed)
+    logp = -torch.rand(n, t, generator=gen, dtype=torch.float64) * 3
+    old = logp + torch.randn(n, t, generator=gen, dtype=torch.float64) * 0.2
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    lengths = torch.randint(1, t + 1, (n,), generator=gen)
+    mask = (torch.arange(t)[None] < lengths[:, None]).double()
+    return logp, old, adv, mask, gen
+
+
+# --- transcriptions (TRL 1.x GRPOTrainer._compute_loss / get_gamma_weights) ---------------------------------
+
+def trl_luspo(logp, old, adv, mask, eps_lo, eps_hi):
+    log_w = ((logp - old) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)      # sequence level
+    coef_1 = torch.exp(log_w.unsqueeze(-1))
+    coef_2 = torch.clamp(coef_1, 1 - eps_lo, 1 + eps_hi)
+    per_token_loss = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))   # (B, 1)
+    return (per_token_loss * mask.sum(1, keepdim=True)).mean()
+
+
+@torch.no_grad()   # as TRL's: phi only scales the gradient
+def trl_gamma_weights(adv, log_ratio, mask, is_ratio, k_pos, lam_pos, k_neg, lam_neg):
+    lower = math.log(1e-8)
+    seq = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+    if is_ratio is not None:
+        seq = seq + torch.sum(torch.clamp(torch.log(is_ratio), lower, 20.0), dim=-1, keepdim=True)
+    log_w = torch.clamp(seq, lower, 20.0)
+    w = torch.exp(log_w)
+    nonneg = adv.unsqueeze(-1) >= 0
+    k = torch.where(nonneg, k_pos, k_neg)
+    lam = torch.where(nonneg, lam_pos, lam_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def trl_vespo(logp, old, adv, mask, is_ratio, cfg):
+    phi = trl_gamma_weights(adv, logp - old, mask, is_ratio, cfg.vespo_k_pos, cfg.vespo_lambda_pos,
+                            cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+    per_token_loss = -phi * adv.unsqueeze(1) * logp
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)   # dapo's normaliser, one process
+
+
+def test_luspo_equals_trl():
+    logp, old, adv, mask, _ = rand_batch()
+    cfg = GRPOConfig(loss_type="luspo", importance_sampling_level="sequence", epsilon_high=0.28)
+    got, _ = grpo_loss(logp, old, None, adv, mask, cfg)
+    assert torch.allclose(got, trl_luspo(logp, old, adv, mask, 0.2, 0.28), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("with_sampler", [False, True])
+def test_vespo_equals_trl(with_sampler):
+    logp, old, adv, mask, gen = rand_batch()
+    cfg = GRPOConfig(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5)
+    ratio = None
+    if with_sampler:   # token-level sampler correction, 1 on padding (as TRL's importance_sampling_ratio)
+        ratio = torch.where(mask.bool(), torch.rand(mask.shape, generator=gen, dtype=torch.float64) + 0.5, 1.0)
+    logp.requires_grad_(True)
+    got, _ = grpo_loss(logp, old, None, adv, mask, cfg, sampler_ratio=ratio)
+    want = trl_vespo(logp, old, adv, mask, ratio, cfg)
+    assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    g_got, = torch.autograd.grad(got, logp, retain_graph=True)
+    g_want, = torch.autograd.grad(want, logp)
+    assert torch.allclose(g_got, g_want, rtol=1e-12, atol=0)   # phi is a detached scale in both
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_the_entropy_bonus_is_the_steps_mean_token_entropy(loss_type):
+    """TRL: ``loss - entropy_coef * H`` with H the mean per-token entropy of the step; dapo-like losses divide
+    by the global token count, the others take the token mean. Summed over two micro-batches: the step's mean."""
+    _, _, _, mask, gen = rand_batch()
+    entropy = torch.rand(mask.shape, generator=gen, dtype=torch.float64)
+    totals = Totals.of(mask)
+    parts = sum(entropy_bonus(entropy[r], mask[r], loss_type, totals) for r in (slice(0, 2), slice(2, None)))
+    assert torch.allclose(parts, (entropy * mask).sum() / mask.sum(), rtol=1e-12, atol=0)
+
+
+def test_the_entropy_coef_moves_the_step_loss_by_the_bonus():
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    module = tiny_module(entropy_coef=0.3, importance_sampling_correction=False)
+    plain = tiny_module(importance_sampling_correction=False)
+    plain.policy.load_state_dict(module.policy.state_dict())
+    buf = module.prepare({"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]})
+    rows = torch.arange(len(buf.scored.batch))
+    totals = Totals.of(buf.data["mask"])
+    with_bonus, stats = module.step_loss(buf, rows, totals)
+    without, _ = plain.step_loss(buf, rows, totals)
+    assert torch.allclose(without - with_bonus, 0.3 * stats["entropy"], rtol=1e-5, atol=1e-7)
+
+
+def test_the_reference_mixes_towards_the_policy_every_sync_steps():
+    """TRL's SyncRefModelCallback: ``ref = alpha * policy + (1 - alpha) * ref`` on every
+    ``ref_model_sync_steps``-th optimizer step."""
+    ref, pol = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in ref.parameters()]
+    mix_into(ref, pol, 0.6)
+    for b, r, p in zip(before, ref.parameters(), pol.parameters()):
+        assert torch.allclose(r, 0.6 * p + 0.4 * b)
+    with pytest.raises(ValueError, match="sync_ref_model=True needs the reference model"):
+        GRPOConfig(sync_ref_model=True)
+    module = tiny_module(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
+    ref0 = [p.detach().clone() for p in module.reference.parameters()]
+    with torch.no_grad():
+        for p in module.policy.parameters():
+            p.add_(1.0)
+
+    from types import SimpleNamespace
+
+    module._trainer = SimpleNamespace(global_step=1)   # what the hook reads of its Trainer
+    module.log = lambda *a, **k: None
+    module._step_started, module._times, module._last_rollout_s = 0.0, {}, 0.0
+    module._last_train_tokens, module._step_flops = 1, 0.0
+    module.on_train_batch_end(None, {"prompt": ["x"]}, 0)
+    assert all(torch.equal(a, b) for a, b in zip(ref0, module.reference.parameters()))   # step 1: not yet
+    module._trainer.global_step = 2
+    module.on_train_batch_end(None, {"prompt": ["x"]}, 0)
+    for a, r, p in zip(ref0, module.reference.parameters(), module.policy.parameters()):
+        assert torch.allclose(r, 0.5 * p + 0.5 * a)
+
+
+def test_rloo_equals_trl():
+    rewards = torch.randn(12, dtype=torch.float64)
+    g = 4
+    grouped = rewards.view(-1, g)
+    baselines = ((grouped.sum(1, keepdim=True) - grouped) / (g - 1)).view(-1)   # TRL's RLOOTrainer
+    assert torch.allclose(rloo_advantages(rewards, g), rewards - baselines, rtol=1e-12, atol=0)
+
+
+def test_reinforce_pp_equals_verls_baseline_estimator():
+    """verl's REINFORCE++-baseline: scores minus the group mean, tiled over the response tokens, masked_whiten
+    (unbiased variance) over the batch's response tokens."""
+    _, _, _, mask, gen = rand_batch(n=8, t=7)
+    rewards, g = torch.randn(8, generator=gen, dtype=torch.float64), 4
+    scores = rewards.clone()
+    for i in range(0, 8, g):
+        scores[i:i + g] -= rewards[i:i + g].mean()
+    tiled = scores.unsqueeze(-1).tile([1, mask.shape[1]]) * mask
+    mean = (tiled * mask).sum() / mask.sum()
+    var = (((tiled - mean) ** 2) * mask).sum() / mask.sum() * (mask.sum() / (mask.sum() - 1))
+    want = ((tiled - mean) * torch.rsqrt(var + 1e-8)) * mask
+    got = reinforce_pp_advantages(rewards, g, mask.sum(1))
+    assert torch.allclose(got[:, None] * mask, want, rtol=1e-10, atol=1e-12)
+
+
+def test_soft_overlong_punishment_equals_trl():
+    def trl(max_len, cache, completion_ids):
+        out = []
+        for ids in completion_ids:
+            n = len(ids)
+            if n <= max_len - cache:
+                out.append(0.0)
+            elif max_len - cache < n <= max_len:
+                out.append((max_len - cache - n) / cache)
+            else:
+                out.append(-1.0)
+        return out
+
+    ids = [[0] * n for n in (0, 5, 12, 13, 15, 16, 17, 40)]
+    fn = get_soft_overlong_punishment(16, 4)
+    assert fn(["p"] * len(ids), ["c"] * len(ids), completion_ids=ids) == trl(16, 4, ids)
+    with pytest.raises(ValueError, match="soft_punish_cache"):
+        get_soft_overlong_punishment(8, 9)
+
+
+@pytest.mark.parametrize("knobs, words", [
+    ({"advantage_estimator": "gae"}, "advantage_estimator must be one of"),
+    ({"vespo_lambda_neg": 0.0}, "vespo_lambda_pos and vespo_lambda_neg must be > 0"),
+    ({"loss_type": "vespo", "importance_sampling_mode": "sequence_mask"}, "loss_type=vespo folds"),
+    ({"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha must be in"),
+])
+def test_bad_knobs_are_named(knobs, words):
+    with pytest.raises(ValueError, match=words):
+        GRPOConfig(**knobs)
+
+
+@pytest.mark.parametrize("knobs", [{"loss_type": "luspo", "importance_sampling_level": "sequence"},
+                                   {"loss_type": "vespo"}, {"advantage_estimator": "rloo"},
+                                   {"advantage_estimator": "reinforce_pp"}, {"entropy_coef": 0.01}])
+def test_each_knob_trains_a_step_of_the_recipe(tmp_path, knobs):
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    overrides = [f"algo.{k}={v}" for k, v in knobs.items()]
+    metrics = run(small(tmp_path, "trainer.max_steps=1", "rewards.0.fn.pattern='.*[a-m].*'", *overrides))
+    assert math.isfinite(metrics["train/loss"])
