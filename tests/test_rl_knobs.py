@@ -202,3 +202,32 @@ def test_each_knob_trains_a_step_of_the_recipe(tmp_path, knobs):
     overrides = [f"algo.{k}={v}" for k, v in knobs.items()]
     metrics = run(small(tmp_path, "trainer.max_steps=1", "rewards.0.fn.pattern='.*[a-m].*'", *overrides))
     assert math.isfinite(metrics["train/loss"])
+
+
+def test_log_completions_prints_a_table_and_keeps_num_completions_to_print(tmp_path, capsys):
+    import json
+
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    run(small(tmp_path, "algo.log_completions=true", "algo.log_completions_every=1",
+              "algo.num_completions_to_print=3", "trainer.max_steps=2"))
+    out = capsys.readouterr().out
+    assert out.count("step | prompt") == 2 and "completion" in out
+    rows = [json.loads(line) for line in open(tmp_path / "logs" / "completions.jsonl")]
+    assert [r["step"] for r in rows] == [0, 0, 0, 1, 1, 1]
+
+
+def test_a_wandb_logger_gets_the_completions_table():
+    from segki_lightning.rl.metrics import completions_table, write_completions
+
+    class Wandb:   # WandbLogger's log_table signature
+        def log_table(self, key, columns, data, step):
+            self.got = (key, columns, data, step)
+
+    w = Wandb()
+    rows = [dict(step=3, prompt="1+2=", completion="3\nok", reward=1.0)]
+    write_completions([w], rows, 3)
+    assert w.got == ("completions", ["step", "prompt", "completion", "reward"], [[3, "1+2=", "3\nok", 1.0]], 3)
+    assert "3\\nok" in completions_table(rows) and "1.000" in completions_table(rows)

@@ -25,7 +25,7 @@ from .logprobs import TokenScores, completion_logprobs, packs
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
-from .metrics import write_completions
+from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
 from .task import check_batch, completion_token_ids, decode
 from .update import LossFn, accumulate, micro_batches
@@ -362,11 +362,13 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         for part in RolloutStats.PARTS:
             self.log(f"time/rollout_{part}_s", getattr(s.batch.stats, f"{part}_s"), **kw)
         every = getattr(self.cfg, "log_completions_every", 0)
-        if every and self.global_step % every == 0:
+        if every and self.global_step % every == 0 and self.global_rank == 0:
+            keep = self.cfg.num_completions_to_print   # TRL's: None keeps them all
             rows = [dict(step=self.global_step, prompt=p, completion=c, reward=float(r))
-                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:4]]
-            if self.global_rank == 0:
-                write_completions(self.loggers, rows, self.global_step)
+                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:keep]]
+            write_completions(self.loggers, rows, self.global_step)
+            if self.cfg.log_completions:
+                print(completions_table(rows), flush=True)
 
     def log_step(self, loss: Tensor, stats: dict[str, Tensor], n_prompts: int) -> None:
         """Metrics of every optimizer step: the loss and the loss's stats (``train/...``, or as named)."""
