@@ -125,6 +125,8 @@ class GRPOConfig(RLConfig):
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     advantage_estimator: str = "grpo"
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 4
     entropy_coef: float = 0.0
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
@@ -155,6 +157,8 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"scale_rewards must be one of {SCALES}, got {self.scale_rewards!r}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
+        if self.max_num_gen_batches < 1:
+            raise ValueError(f"max_num_gen_batches must be >= 1 (rollouts a step may make), got {self.max_num_gen_batches}")
         if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage_estimator must be one of {ADVANTAGE_ESTIMATORS}, got "
                              f"{self.advantage_estimator!r}")

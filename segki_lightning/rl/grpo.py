@@ -11,6 +11,7 @@ from .base import RLModule
 from .buffer import RolloutBuffer, schedule
 from .config import GRPOConfig
 from .dist import gather_rows
+from .dynamic import RefillPrompts, fill, informative_groups
 from .losses import Totals, entropy_bonus, grpo_loss, token_mean
 from .rewards import WeightedReward
 
@@ -36,10 +37,14 @@ class GRPOModule(RLModule):
         super().__init__(policy, tokenizer, rewards, config or GRPOConfig())
         if self.cfg.beta > 0:
             self.keep_reference()
+        self._refill: RefillPrompts | None = None       # dynamic sampling's refill prompts, built on first use
+        self._refill_state: dict | None = None          # their place, from a checkpoint
 
     def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
         cfg, g = self.cfg, self.cfg.num_generations
         s = self.rollout_and_score(batch, g)
+        if cfg.dynamic_sampling:
+            s = self.dynamically_sampled(s, len(batch["prompt"]))
         ro = s.batch
         data = {"mask": ro.completion_mask}                                                    # [N, T]
         if cfg.mask_truncated_completions:
@@ -55,6 +60,44 @@ class GRPOModule(RLModule):
         gen = torch.Generator().manual_seed(cfg.seed + self.global_step)
         steps = schedule(len(ro), cfg.steps_per_generation, cfg.num_iterations, False, gen, ro.completion_ids.device)
         return RolloutBuffer(s, data, steps)
+
+    def dynamically_sampled(self, first, want: int):
+        """DAPO's dynamic sampling (:mod:`.dynamic`): more rollouts of refill prompts until ``want`` groups have
+        rewards that differ or ``max_num_gen_batches`` rollouts were made; the batch of ``want`` groups."""
+        g, scored = self.cfg.num_generations, [first]
+        count = lambda: sum(int(informative_groups(s.rewards, g).sum()) for s in scored)   # noqa: E731
+        while count() < want and len(scored) < self.cfg.max_num_gen_batches:
+            scored.append(self.rollout_and_score(self.refill_prompts(want).next(), g))
+        s, metrics = fill(scored, want, g, self.pad_token_id)
+        for name, v in metrics.items():
+            self.log(name, v, batch_size=want)
+        return s
+
+    def refill_prompts(self, batch_size: int) -> RefillPrompts:
+        """The refill source: the training prompts of the Trainer's loader in another order (``seed + 1``)."""
+        if self._refill is None:
+            if self._trainer is None:
+                raise RuntimeError("algo.dynamic_sampling draws refill prompts from the Trainer's training prompts: "
+                                   "run it under Trainer.fit")
+            loader = self.trainer.train_dataloader
+            self._refill = RefillPrompts(loader.dataset, batch_size, loader.collate_fn, self.cfg.seed + 1)
+            if self._refill_state is not None:
+                self._refill.load_state_dict(self._refill_state)
+        return self._refill
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        state = self._refill.state_dict() if self._refill is not None else self._refill_state
+        if state is not None:
+            checkpoint["dynamic_sampling_refill"] = state
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._refill_state, self._refill = checkpoint.get("dynamic_sampling_refill"), None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.cfg.dynamic_sampling and self.trainer.world_size > 1:
+            raise ValueError("algo.dynamic_sampling runs on one process only (ranks would make different numbers of "
+                             "rollouts and wait on each other): set it false under DDP/FSDP")
 
     def advantages(self, rewards: Tensor, mask: Tensor) -> Tensor:
         """``[N]`` advantages of ``[N]`` rewards by ``advantage_estimator``: ``grpo`` (group mean removed, scaled
