@@ -231,3 +231,19 @@ def test_a_wandb_logger_gets_the_completions_table():
     write_completions([w], rows, 3)
     assert w.got == ("completions", ["step", "prompt", "completion", "reward"], [[3, "1+2=", "3\nok", 1.0]], 3)
     assert "3\\nok" in completions_table(rows) and "1.000" in completions_table(rows)
+
+
+@pytest.mark.parametrize("n_eval, want", [(None, (1, True)), (3, (3, False))])
+def test_num_generations_eval_samples_that_many_per_held_out_prompt(n_eval, want):
+    module = tiny_module(num_generations_eval=n_eval)
+    calls = []
+    real = module.rollout_and_score
+
+    def spy(batch, n, greedy=False):
+        calls.append((n, greedy))
+        return real(batch, n, greedy)
+
+    module.rollout_and_score = spy
+    module.log = lambda *a, **k: None
+    module.validation_step({"prompt": ["1+2="], "answer": ["3"]}, 0)
+    assert calls == [want]

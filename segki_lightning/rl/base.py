@@ -134,11 +134,13 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         return None
 
     def validation_step(self, batch: dict[str, list], batch_idx: int) -> None:
-        """Greedy rollouts of held-out prompts, one completion each (graph-captured on GPU like training's):
+        """Rollouts of held-out prompts (graph-captured on GPU like training's): one greedy completion each, or
+        ``num_generations_eval`` sampled ones (TRL's knob; the training sampling settings, seeded by the step):
         ``val/reward``, ``val/rewards/<function>``, ``val/completion_length``."""
         check_batch(batch)
+        n = self.cfg.num_generations_eval
         try:
-            s = self.rollout_and_score(batch, 1, greedy=True)
+            s = self.rollout_and_score(batch, n or 1, greedy=n is None)
         except NonFiniteError as err:
             if self.cfg.on_nonfinite == "raise":
                 raise NonFiniteError(f"validation at step {self.global_step}: {err}") from None

@@ -61,6 +61,7 @@ class RLConfig:
     importance_sampling_clip_min: float | None = None
     log_completions_every: int = 50
     log_completions: bool = False
+    num_generations_eval: int | None = None
     num_completions_to_print: int | None = None
     on_nonfinite: str = "raise"
     seed: int = 0
@@ -91,6 +92,9 @@ class RLConfig:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 token (or null: no token budget), got "
                              f"{self.micro_batch_tokens}")
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            raise ValueError(f"num_generations_eval must be >= 1 (or null: one greedy completion), got "
+                             f"{self.num_generations_eval}")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 1:
             raise ValueError(f"num_completions_to_print must be >= 1 (or null: all), got {self.num_completions_to_print}")
         if self.logprob_chunk is not None and self.logprob_chunk < 1:
