@@ -247,3 +247,30 @@ def test_num_generations_eval_samples_that_many_per_held_out_prompt(n_eval, want
     module.log = lambda *a, **k: None
     module.validation_step({"prompt": ["1+2="], "answer": ["3"]}, 0)
     assert calls == [want]
+
+
+def test_stop_strings_cut_a_completion_after_the_first_stop():
+    from segki_lightning.rl.task import char_tokenizer, cut_at_stop_strings
+
+    tok = char_tokenizer()
+    texts = ["ab+3cd+3", "no stop here", "x=1", "=1"]
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    cut = cut_at_stop_strings(ids, mask, tok, ["+3", "=1"])
+    assert cut.tolist() == [True, False, True, True]
+    kept = [tok.decode(r[m.bool()].tolist()) for r, m in zip(ids, mask)]
+    assert kept == ["ab+3", "no stop here", "x=1", "=1"]
+    with pytest.raises(ValueError, match="stop_strings must be a list of non-empty strings"):
+        GRPOConfig(stop_strings="+3")
+
+
+def test_a_run_with_stop_strings_counts_them_as_ended(tmp_path):
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    metrics = run(small(tmp_path, "algo.stop_strings=[a,'1']", "algo.mask_truncated_completions=true",
+                        "algo.max_completion_length=6", "trainer.max_steps=2", "rewards.0.fn.pattern='.*[a-m].*'"))
+    assert math.isfinite(metrics["train/loss"])

@@ -27,7 +27,7 @@ from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
 from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
-from .task import check_batch, completion_token_ids, decode
+from .task import check_batch, completion_token_ids, cut_at_stop_strings, decode
 from .update import LossFn, accumulate, micro_batches
 
 
@@ -338,6 +338,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         get what TRL passes: the prompts as given and, for conversations, each completion as one assistant message."""
         t0 = time.perf_counter()
         ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy))
+        if self.cfg.stop_strings:
+            ro.stopped = cut_at_stop_strings(ro.completion_ids, ro.completion_mask, self.tokenizer,
+                                             self.cfg.stop_strings).to(ro.completion_mask.device)
         rollout_s = time.perf_counter() - t0
         texts = decode(self.tokenizer, ro.completion_ids, ro.completion_mask)
         columns = {k: [v for v in vals for _ in range(n)] for k, vals in batch.items() if k != "prompt"}

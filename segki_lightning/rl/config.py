@@ -44,6 +44,7 @@ class RLConfig:
     top_k: int = 0
     max_prompt_length: int | None = 512
     max_completion_length: int = 512
+    stop_strings: list[str] | None = None
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     lr_scheduler_type: str = "linear"
@@ -92,6 +93,9 @@ class RLConfig:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 token (or null: no token budget), got "
                              f"{self.micro_batch_tokens}")
+        if self.stop_strings is not None and (isinstance(self.stop_strings, str) or not all(
+                isinstance(x, str) and x for x in self.stop_strings)):
+            raise ValueError(f"stop_strings must be a list of non-empty strings, got {self.stop_strings!r}")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1 (or null: one greedy completion), got "
                              f"{self.num_generations_eval}")

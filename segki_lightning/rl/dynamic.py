@@ -46,7 +46,8 @@ def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
         prompt_mask=cat(lambda b, r: left(b.prompt_mask[r], 0)),
         completion_ids=cat(lambda b, r: b.completion_ids[r]), completion_mask=cat(lambda b, r: b.completion_mask[r]),
         logprobs=cat(lambda b, r: b.logprobs[r]),
-        prompt_index=torch.arange(n_rows, device=parts[0][0].batch.prompt_index.device) // group, stats=stats)
+        prompt_index=torch.arange(n_rows, device=parts[0][0].batch.prompt_index.device) // group, stats=stats,
+        stopped=None if parts[0][0].batch.stopped is None else cat(lambda b, r: b.stopped[r]))
     weight = [len(r) for r in rows]
     means = {k: sum(w * s.means[k] for w, (s, _) in zip(weight, parts) if w) / max(sum(weight), 1)
              for k in parts[0][0].means}

@@ -47,8 +47,11 @@ class GRPOModule(RLModule):
             s = self.dynamically_sampled(s, len(batch["prompt"]))
         ro = s.batch
         data = {"mask": ro.completion_mask}                                                    # [N, T]
-        if cfg.mask_truncated_completions:
-            data["mask"] = data["mask"] * (ro.completion_ids == self.eos_token_id).any(1)[:, None].long()
+        if cfg.mask_truncated_completions:   # a row ended by EOS or a stop string is not truncated
+            ended = (ro.completion_ids == self.eos_token_id).any(1)
+            if ro.stopped is not None:
+                ended = ended | ro.stopped
+            data["mask"] = data["mask"] * ended[:, None].long()
         data["adv"] = self.advantages(s.rewards, data["mask"])                                 # [N]
         if cfg.steps_per_rollout > 1 or cfg.top_entropy_quantile < 1.0:
             old = self.old_scores(ro)

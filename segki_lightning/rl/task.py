@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -170,3 +171,25 @@ def completion_token_ids(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int
 def decode(tokenizer, ids: torch.Tensor, mask: torch.Tensor) -> list[str]:
     """Completion texts: the masked-in tokens of each row, specials dropped."""
     return tokenizer.batch_decode(completion_token_ids(ids, mask), skip_special_tokens=True)
+
+
+def cut_at_stop_strings(ids: torch.Tensor, mask: torch.Tensor, tokenizer, stops: Sequence[str]) -> torch.Tensor:
+    """Where a row's completion text contains one of ``stops``, mask out (in place) every token after the one
+    that completes the first occurrence -- the stop string stays in the completion, as transformers'
+    ``stop_strings`` keeps it. ``ids, mask [N, T]``; returns ``[N]`` bool, the rows cut. The shortest such prefix
+    is found by bisection over decoded prefixes (a few decodes a cut row)."""
+    cut = torch.zeros(ids.shape[0], dtype=torch.bool)
+    rows = completion_token_ids(ids, mask)
+    hit = lambda toks: any(s in tokenizer.decode(toks, skip_special_tokens=True) for s in stops)   # noqa: E731
+    for r, toks in enumerate(rows):
+        if not toks or not hit(toks):
+            continue
+        lo, hi = 1, len(toks)   # the shortest prefix that holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if hit(toks[:mid]) else (mid + 1, hi)
+        if lo < len(toks):
+            keep = mask[r].nonzero().flatten()[lo:]
+            mask[r, keep] = 0
+        cut[r] = True
+    return cut

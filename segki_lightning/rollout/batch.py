@@ -47,6 +47,7 @@ class RolloutBatch:
     logprobs: torch.Tensor          # [N, T] fp32, log_softmax(logits / T)[token] (T = 1 for greedy); 0 on pad
     prompt_index: torch.Tensor      # [N] int64, r // n
     stats: RolloutStats = field(default_factory=RolloutStats)
+    stopped: torch.Tensor | None = None   # [N] bool: ended by a stop string (set by the RL modules' stop_strings)
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
