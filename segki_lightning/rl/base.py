@@ -399,6 +399,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         after -- 0.0 at the end of a finished linear schedule -- so a run resumed with a larger ``max_steps``
         would take its first new step at that rate; an interrupted run resumed with the same ``max_steps`` gets
         the very rate it had (the same formula, the same float)."""
+        if self._trainer is None:
+            return
         for conf in self.trainer.lr_scheduler_configs:
             sched = conf.scheduler
             if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):   # transformers' get_scheduler kinds

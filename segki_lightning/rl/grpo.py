@@ -98,7 +98,7 @@ class GRPOModule(RLModule):
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.cfg.dynamic_sampling and self.trainer.world_size > 1:
+        if self.cfg.dynamic_sampling and self._trainer is not None and self.trainer.world_size > 1:
             raise ValueError("algo.dynamic_sampling runs on one process only (ranks would make different numbers of "
                              "rollouts and wait on each other): set it false under DDP/FSDP")
 
