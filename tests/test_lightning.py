@@ -130,16 +130,16 @@ def test_checkpoint_keys_equal_a_plain_run_and_resume_continues(tmp_path):
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path):
-    """2 steps + resume + 2 steps == 4 steps in one go, bit for bit: policy, optimizer moments, data order and the
-    rollouts' sampling seeds all continue where they stopped. A reward that random completions often earn (a
-    letter a-m anywhere) keeps the advantages, hence the updates, non-zero."""
+    """A 4-step run resumed from its own step-2 checkpoint ends where it did, bit for bit: policy, optimizer
+    moments, data order and the rollouts' sampling seeds all continue where they stopped (the same learning-rate
+    schedule: a 2-step run resumed to 4 would have stepped on another one). A reward that random completions often
+    earn (a letter a-m anywhere) keeps the advantages, hence the updates, non-zero on some steps."""
     reward = "rewards.0.fn.pattern='.*[a-m].*'"
-    a, straight = tmp_path / "resumed", tmp_path / "straight"
-    run(small(a, "checkpoint.every_n_train_steps=1", reward))
-    at_two = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    run(small(a, f"ckpt_path={a / 'checkpoints' / 'last.ckpt'}", "trainer.max_steps=4",
-              "checkpoint.every_n_train_steps=1", reward))
-    run(small(straight, "trainer.max_steps=4", "checkpoint.every_n_train_steps=1", reward))
+    straight, a = tmp_path / "straight", tmp_path / "resumed"
+    common = ["trainer.max_steps=4", "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=-1", reward]
+    run(small(straight, *common))
+    at_two = torch.load(straight / "checkpoints" / "step-000002.ckpt", weights_only=False)["state_dict"]
+    run(small(a, f"ckpt_path={straight / 'checkpoints' / 'step-000002.ckpt'}", *common))
     resumed = torch.load(a / "checkpoints" / "last.ckpt", weights_only=False)
     want = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["global_step"] == want["global_step"] == 4
