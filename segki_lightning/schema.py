@@ -23,6 +23,17 @@ class ModelConf:
 
 
 @dataclass
+class LoraConf:
+    """LoRA adapters through peft (its names): ``r=0`` trains the full weights; ``lora.r=16`` alone turns LoRA on."""
+
+    r: int = 0
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    target_modules: Any = "all-linear"   # peft's: "all-linear" or a list of module names
+    export_merged: bool = False          # export_dir gets the merged model instead of the adapter folder
+
+
+@dataclass
 class RolloutConf:
     use_segki: bool = True
     graph_capture: bool = True
@@ -82,6 +93,7 @@ class Recipe:
     algorithm: str = "grpo"
     module: str | None = None       # dotted path of a subclass of the algorithm's LightningModule to train instead
     model: ModelConf = field(default_factory=ModelConf)
+    lora: LoraConf = field(default_factory=LoraConf)
     rollout: RolloutConf = field(default_factory=RolloutConf)
     task: TaskConf = field(default_factory=TaskConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)

@@ -48,6 +48,17 @@ def build_policy(cfg):
                             cfg.model.num_layers, cfg.model.dtype, cfg.model.seed)
     if cfg.model.gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
+    if cfg.lora.r > 0:
+        from omegaconf import OmegaConf
+
+        from .rl.lora import apply_lora
+
+        targets = cfg.lora.target_modules
+        targets = targets if isinstance(targets, str) else OmegaConf.to_container(targets)
+        model = apply_lora(model, cfg.lora.r, cfg.lora.lora_alpha, cfg.lora.lora_dropout, targets)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("segki: LoRA r=%d on %s: %.2f M trainable parameters, the base frozen", cfg.lora.r, targets,
+                 trainable / 1e6)
     return model, tok
 
 
@@ -211,7 +222,7 @@ def run(cfg) -> dict:
     trainer.fit(module, train_dataloaders=build_data(cfg, algo.steps_per_rollout), val_dataloaders=build_eval_data(cfg),
                 ckpt_path=cfg.ckpt_path)
     if cfg.export_dir:
-        export(module, cfg.export_dir)
+        export(module, cfg.export_dir, merged=cfg.lora.export_merged)
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
@@ -321,14 +332,27 @@ def nonfinite_weights(model: torch.nn.Module, sharded: bool) -> str:
     return f"{total} tensors" + (f", first {bad[0]}" if bad else " on other ranks") if total else ""
 
 
-def export(module, path: str) -> None:
+def export(module, path: str, merged: bool = False) -> None:
     """Write the trained policy (and tokenizer) with ``save_pretrained``; it reloads with
-    ``AutoModelForCausalLM.from_pretrained``. A sharded (FSDP) policy is gathered first (a collective: every
-    rank calls this) and written by rank zero, in the dtype it computes in."""
+    ``AutoModelForCausalLM.from_pretrained``. A LoRA policy writes peft's adapter folder (``PeftModel.
+    from_pretrained(base, path)``), or with ``merged`` the base with the adapters folded in. A sharded (FSDP)
+    policy is gathered first (a collective: every rank calls this) and written by rank zero, in the dtype it
+    computes in."""
     from .inject import remove_segment_ki
     from .lightning.fsdp import full_state_dict, is_sharded
 
     remove_segment_ki(module.policy)
+    if getattr(module, "peft_model", None) is not None:
+        from .rl.lora import export_adapters
+
+        bad = nonfinite_weights(module.policy, False)
+        if bad:
+            raise ValueError(f"the trained policy holds non-finite weights ({bad}): nothing is exported to {path}; "
+                             "resume from an earlier checkpoint")
+        if module.global_rank == 0:
+            export_adapters(module.peft_model, module.tokenizer, path, merged)
+            log.info("segki: exported the LoRA %s to %s", "merged model" if merged else "adapters", path)
+        return
     sharded = is_sharded(module.policy)
     bad = nonfinite_weights(module.policy, sharded)
     if bad:

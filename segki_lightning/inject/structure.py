@@ -25,7 +25,8 @@ def _has_hooks(m: nn.Module) -> bool:
 def check_plain_linear(lin: object, name: str, bias_ok: bool = False) -> None:
     """A dense weight on an unwrapped ``nn.Linear`` (no DTensor, quantized or adapter layers, no hooks)."""
     if type(lin) is not nn.Linear:
-        raise Mismatch(f"{name} is {type(lin).__name__}, not a plain nn.Linear")
+        kind = "a peft adapter layer (runs unfused)" if type(lin).__module__.startswith("peft.") else type(lin).__name__
+        raise Mismatch(f"{name} is {kind}, not a plain nn.Linear")
     w = lin.weight
     if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor:
         raise Mismatch(f"{name}.weight is a tensor subclass ({type(w.data).__name__}): sharded or quantized")

@@ -22,6 +22,7 @@ from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
 from .flops import FlopShape, peak_flops
 from .logprobs import TokenScores, completion_logprobs, packs
+from .lora import adapters_off, is_peft
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
@@ -53,6 +54,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
 
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[RewardFn | WeightedReward], cfg: Any):
         super().__init__()
+        self.__dict__["peft_model"] = policy if is_peft(policy) else None   # kept out of the module tree
+        if self.peft_model is not None:   # compute on the transformers model inside (its layers carry the adapters)
+            policy = policy.get_base_model()
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
         self.rewards = as_rewards(rewards, cfg.reward_weights)
         self.eos_token_id = tokenizer.eos_token_id
@@ -66,10 +70,19 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._nonfinite_skipped = 0               # steps skipped for non-finite values (on_nonfinite=skip_step)
         self._buffer: RolloutBuffer | None = None
         self.reference: nn.Module | None = None   # the frozen KL reference (see keep_reference)
+        self._reference_is_base = False           # a LoRA policy's reference: its base, adapters off
 
     def keep_reference(self) -> None:
-        """Freeze a copy of the policy as it starts: the reference of the algorithm's KL term."""
+        """Freeze a copy of the policy as it starts: the reference of the algorithm's KL term. A LoRA policy's
+        reference is its own base, adapters switched off (no copy)."""
+        if self.peft_model is not None:
+            self._reference_is_base = True
+            return
         self.reference = copy.deepcopy(self.policy).requires_grad_(False).eval()
+
+    @property
+    def has_reference(self) -> bool:
+        return self.reference is not None or self._reference_is_base
 
     # ------------------------------------------------------------------------------------ the RL step
     def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
@@ -173,6 +186,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         gathered root weights (embeddings, head) are released afterwards: no backward ever does it for a frozen
         model."""
         with self._timed("reference"):
+            if self._reference_is_base:
+                with adapters_off(self.peft_model):
+                    return self.score_all(self.policy, ro).logp
             logp = self.score_all(self.reference, ro).logp
             reshard(self.reference)
         return logp

@@ -37,6 +37,9 @@ class GRPOModule(RLModule):
         super().__init__(policy, tokenizer, rewards, config or GRPOConfig())
         if self.cfg.beta > 0:
             self.keep_reference()
+        if self.cfg.sync_ref_model and self.peft_model is not None:
+            raise ValueError("sync_ref_model=True with a LoRA policy: its reference is the base with the adapters "
+                             "off, not a model to move (as in TRL); set sync_ref_model=False")
         self._refill: RefillPrompts | None = None       # dynamic sampling's refill prompts, built on first use
         self._refill_state: dict | None = None          # their place, from a checkpoint
 
@@ -58,7 +61,7 @@ class GRPOModule(RLModule):
             data["old_logp"] = old.logp
             if cfg.top_entropy_quantile < 1.0:
                 data["token_weight"] = high_entropy_mask(old.entropy, data["mask"], cfg.top_entropy_quantile)
-        if self.reference is not None:
+        if self.has_reference:
             data["ref_logp"] = self.reference_logp(ro)
         gen = torch.Generator().manual_seed(cfg.seed + self.global_step)
         steps = schedule(len(ro), cfg.steps_per_generation, cfg.num_iterations, False, gen, ro.completion_ids.device)

@@ -44,7 +44,7 @@ class PPOModule(RLModule):
         ro = s.batch
         mask = ro.completion_mask
         old = self.old_scores(ro, self.value_head)                                        # [N, T] each
-        ref = self.reference_logp(ro) if self.reference is not None else old.logp
+        ref = self.reference_logp(ro) if self.has_reference else old.logp
         kl = old.logp - ref
         token_rewards = -cfg.kl_coef * kl
         last = (mask.sum(1) - 1).clamp_min(0)
