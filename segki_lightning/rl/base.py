@@ -340,9 +340,11 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def sampling(self, n: int, greedy: bool = False) -> SamplingConfig:
         c = self.cfg
         if greedy:
-            return SamplingConfig(max_new_tokens=c.max_completion_length, temperature=0.0, n=n)
+            return SamplingConfig(max_new_tokens=c.max_completion_length, temperature=0.0, n=n,
+                                  repetition_penalty=c.repetition_penalty)
         return SamplingConfig(max_new_tokens=c.max_completion_length, temperature=c.temperature, top_k=c.top_k,
-                              top_p=c.top_p, n=n, seed=c.seed + self.global_step)
+                              top_p=c.top_p, min_p=c.min_p or 0.0, repetition_penalty=c.repetition_penalty, n=n,
+                              seed=c.seed + self.global_step)
 
     def prompt_ids(self, prompts: list) -> list[list[int]]:
         """Token ids of each prompt (string, conversation or ids), cut from the left to ``max_prompt_length``."""

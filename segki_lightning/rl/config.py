@@ -42,6 +42,8 @@ class RLConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
     max_prompt_length: int | None = 512
     max_completion_length: int = 512
     stop_strings: list[str] | None = None
@@ -93,6 +95,10 @@ class RLConfig:
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be >= 1 token (or null: no token budget), got "
                              f"{self.micro_batch_tokens}")
+        if self.min_p is not None and not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1) (or null: off), got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0: off), got {self.repetition_penalty}")
         if self.stop_strings is not None and (isinstance(self.stop_strings, str) or not all(
                 isinstance(x, str) and x for x in self.stop_strings)):
             raise ValueError(f"stop_strings must be a list of non-empty strings, got {self.stop_strings!r}")

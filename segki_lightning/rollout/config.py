@@ -14,6 +14,9 @@ class SamplingConfig:
         temperature: ``0.0`` is greedy; otherwise logits are divided by it.
         top_k: keep the k most likely tokens; ``0`` = off.
         top_p: nucleus mass in ``(0, 1]``; ``1.0`` = off.
+        min_p: drop tokens below ``min_p`` x the most likely one's probability (after temperature); ``0`` = off.
+        repetition_penalty: transformers' penalty on every token already in the row (prompt and completion);
+            ``1`` = off.
         n: samples per prompt (GRPO's group size); the prompt is prefilled once and its state replicated.
         seed: makes sampling reproducible (row r draws from the stream ``(seed, r)``).
     """
@@ -22,6 +25,8 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     n: int = 1
     seed: int = 0
 
@@ -36,6 +41,15 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1] (1 means off), got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n (samples per prompt) must be >= 1, got {self.n}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1) (0 means off), got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether the decode loop runs :mod:`~segki_lightning.rollout.processors` (min-p or a penalty on)."""
+        return self.min_p > 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
