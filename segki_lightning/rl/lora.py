@@ -8,7 +8,6 @@ for switching the adapters off and for saving them."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -55,7 +54,3 @@ def export_adapters(peft_model: nn.Module, tokenizer: Any, path: str, merged: bo
     else:
         peft_model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-
-
-def trainable_names(model: nn.Module) -> Iterator[str]:
-    return (n for n, p in model.named_parameters() if p.requires_grad)
