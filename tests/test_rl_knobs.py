@@ -125,13 +125,11 @@ def test_the_reference_mixes_towards_the_policy_every_sync_steps():
     from types import SimpleNamespace
 
     module._trainer = SimpleNamespace(global_step=1)   # what the hook reads of its Trainer
-    module.log = lambda *a, **k: None
-    module._step_started, module._times, module._last_rollout_s = 0.0, {}, 0.0
-    module._last_train_tokens, module._step_flops = 1, 0.0
-    module.on_train_batch_end(None, {"prompt": ["x"]}, 0)
+    optimizer = SimpleNamespace(step=lambda closure=None: None, zero_grad=lambda set_to_none=True: None)
+    module.optimizer_step(0, 0, optimizer)
     assert all(torch.equal(a, b) for a, b in zip(ref0, module.reference.parameters()))   # step 1: not yet
     module._trainer.global_step = 2
-    module.on_train_batch_end(None, {"prompt": ["x"]}, 0)
+    module.optimizer_step(0, 1, optimizer)
     for a, r, p in zip(ref0, module.reference.parameters(), module.policy.parameters()):
         assert torch.allclose(r, 0.5 * p + 0.5 * a)
 
@@ -274,3 +272,42 @@ def test_a_run_with_stop_strings_counts_them_as_ended(tmp_path):
     metrics = run(small(tmp_path, "algo.stop_strings=[a,'1']", "algo.mask_truncated_completions=true",
                         "algo.max_completion_length=6", "trainer.max_steps=2", "rewards.0.fn.pattern='.*[a-m].*'"))
     assert math.isfinite(metrics["train/loss"])
+
+
+def test_adaptive_entropy_follows_trls_controller():
+    """TRL's rule, written out: the bonus applies only when the previous step's entropy <= entropy_target (none
+    before the first step); after each step the coefficient moves by entropy_coef_delta towards more bonus when
+    the entropy is at or below the target, less otherwise, within [entropy_coef_min, entropy_coef_max]."""
+    from segki_lightning.rl.grpo import AdaptiveEntropy
+
+    cfg = GRPOConfig(entropy_coef=0.01, use_adaptive_entropy=True, entropy_coef_delta=0.02, entropy_coef_max=0.05,
+                     entropy_target=0.5)
+    ctl, coef, last = AdaptiveEntropy(cfg), 0.01, math.inf
+    for world in [0.9, 0.3, 0.2, 0.1, 0.1, 0.7, 0.4]:
+        assert ctl.coef_now() == (coef if last <= 0.5 else 0.0)
+        ctl.add(torch.full((2, 3), world), torch.ones(2, 3))
+        ctl.step()
+        coef = min(coef + 0.02, 0.05) if world <= 0.5 else max(coef - 0.02, 0.0)
+        last = world
+        assert ctl.coef == pytest.approx(coef) and ctl.last == pytest.approx(world)
+    again = AdaptiveEntropy(cfg)
+    again.load_state_dict(ctl.state_dict())
+    assert again.coef_now() == ctl.coef_now() and again.last == ctl.last
+    with pytest.raises(ValueError, match="use_adaptive_entropy needs"):
+        GRPOConfig(use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1)
+
+
+def test_an_adaptive_entropy_run_logs_its_coefficient(tmp_path):
+    import csv
+
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    run(small(tmp_path, "algo.use_adaptive_entropy=true", "algo.entropy_coef=0.01", "algo.entropy_target=100",
+              "trainer.max_steps=3", "checkpoint.every_n_train_steps=1"))
+    with open(tmp_path / "logs" / "metrics.csv") as f:
+        coefs = [float(r["train/entropy_coef"]) for r in csv.DictReader(f) if r.get("train/entropy_coef")]
+    assert coefs == pytest.approx([0.015, 0.02, 0.025])   # entropy far below the target: up by 0.005 a step
+    ck = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ck["adaptive_entropy"]["entropy_coef"] == pytest.approx(0.025)

@@ -142,6 +142,11 @@ class GRPOConfig(RLConfig):
     dynamic_sampling: bool = False
     max_num_gen_batches: int = 4
     entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
@@ -182,6 +187,11 @@ class GRPOConfig(RLConfig):
         if self.loss_type == "vespo" and self.importance_sampling_mode.startswith("sequence"):
             raise ValueError("loss_type=vespo folds the sampler correction into its sequence weight token by token: "
                              "importance_sampling_mode must be token_truncate or token_mask")
+        if self.use_adaptive_entropy and not (0.0 <= self.entropy_coef_min <= self.entropy_coef_max
+                                              and self.entropy_coef_delta > 0):
+            raise ValueError("use_adaptive_entropy needs 0 <= entropy_coef_min <= entropy_coef_max and "
+                             f"entropy_coef_delta > 0, got {self.entropy_coef_min}, {self.entropy_coef_max}, "
+                             f"{self.entropy_coef_delta}")
         if self.sync_ref_model and self.beta == 0.0:
             raise ValueError("sync_ref_model=True needs the reference model, which beta=0.0 does not build: set beta "
                              "> 0 or sync_ref_model=False")

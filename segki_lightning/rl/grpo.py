@@ -1,6 +1,7 @@
 """GRPO as a LightningModule (names and defaults follow TRL's ``GRPOConfig``)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ from .advantages import group_advantages, high_entropy_mask, reinforce_pp_advant
 from .base import RLModule
 from .buffer import RolloutBuffer, schedule
 from .config import GRPOConfig
-from .dist import gather_rows
+from .dist import gather_rows, global_sum
 from .dynamic import RefillPrompts, fill, informative_groups
 from .losses import Totals, entropy_bonus, grpo_loss, token_mean
 from .rewards import WeightedReward
@@ -40,6 +41,7 @@ class GRPOModule(RLModule):
         if self.cfg.sync_ref_model and self.peft_model is not None:
             raise ValueError("sync_ref_model=True with a LoRA policy: its reference is the base with the adapters "
                              "off, not a model to move (as in TRL); set sync_ref_model=False")
+        self.entropy = AdaptiveEntropy(self.cfg)         # the entropy bonus's coefficient (TRL's adaptive control)
         self._refill: RefillPrompts | None = None       # dynamic sampling's refill prompts, built on first use
         self._refill_state: dict | None = None          # their place, from a checkpoint
 
@@ -95,9 +97,12 @@ class GRPOModule(RLModule):
         state = self._refill.state_dict() if self._refill is not None else self._refill_state
         if state is not None:
             checkpoint["dynamic_sampling_refill"] = state
+        checkpoint["adaptive_entropy"] = self.entropy.state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self._refill_state, self._refill = checkpoint.get("dynamic_sampling_refill"), None
+        if "adaptive_entropy" in checkpoint:
+            self.entropy.load_state_dict(checkpoint["adaptive_entropy"])
 
     def on_train_start(self) -> None:
         super().on_train_start()
@@ -130,19 +135,28 @@ class GRPOModule(RLModule):
             weights = d["token_weight"][rows] if weights is None else weights * d["token_weight"][rows]
         ref = d["ref_logp"][rows] if "ref_logp" in d else None
         loss, part = grpo_loss(sc.logp, old, ref, d["adv"][rows], mask, cfg, totals, weights, sampler_ratio)
-        if cfg.entropy_coef:   # TRL's bonus: on the same tokens as the policy term
+        if self.entropy.enabled:   # TRL's bonus: on the same tokens as the policy term
             m = mask.float() * d["token_weight"][rows] if "token_weight" in d else mask.float()
-            loss = loss - cfg.entropy_coef * entropy_bonus(sc.entropy, m, cfg.loss_type, totals)
+            loss = loss - self.entropy.coef_now() * entropy_bonus(sc.entropy, m, cfg.loss_type, totals)
+            self.entropy.add(sc.entropy.detach(), m)
         part["entropy"] = token_mean(sc.entropy.detach(), mask.float(), totals)
         return loss, {**part, **stats}
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        """TRL's ``sync_ref_model``: every ``ref_model_sync_steps`` optimizer steps the reference moves towards
-        the policy, ``ref = alpha * policy + (1 - alpha) * ref`` (``ref_model_mixup_alpha``)."""
-        super().on_train_batch_end(outputs, batch, batch_idx)
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
+        """After each optimizer step -- before any callback's end-of-batch hook, so that the step's checkpoint
+        holds the result: the adaptive entropy coefficient's update, and TRL's ``sync_ref_model`` (every
+        ``ref_model_sync_steps`` optimizer steps ``ref = alpha * policy + (1 - alpha) * ref``)."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         cfg = self.cfg
+        if self.entropy.enabled:
+            self.entropy.step()
         if cfg.sync_ref_model and self.reference is not None and self.global_step % cfg.ref_model_sync_steps == 0:
             mix_into(self.reference, self.policy, cfg.ref_model_mixup_alpha)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.entropy.enabled:
+            self.log("train/entropy_coef", self.entropy.coef, batch_size=len(batch["prompt"]))
 
 
 @torch.no_grad()
@@ -151,3 +165,42 @@ def mix_into(target: nn.Module, source: nn.Module, alpha: float) -> None:
     dtype and placement)."""
     for t, src in zip(target.parameters(), source.parameters(), strict=True):
         t.mul_(1.0 - alpha).add_(src.to(t.dtype), alpha=alpha)
+
+
+class AdaptiveEntropy:
+    """The entropy bonus's coefficient: ``entropy_coef``, or with ``use_adaptive_entropy`` TRL's controller
+    (Skywork-OR1): applied only while the previous optimizer step's mean token entropy (all ranks, the policy
+    term's tokens) is at or below ``entropy_target``, raised by ``entropy_coef_delta`` after a step at or below it
+    (up to ``entropy_coef_max``) and lowered otherwise (down to ``entropy_coef_min``). Its state is checkpointed."""
+
+    def __init__(self, cfg: GRPOConfig):
+        self.cfg, self.coef = cfg, cfg.entropy_coef
+        self.enabled = cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
+        self.last = math.inf                 # the previous step's entropy (TRL: +inf before the first)
+        self._window: Tensor | None = None   # [2] this step's entropy sum and token count (this rank)
+
+    def coef_now(self) -> float:
+        if self.cfg.use_adaptive_entropy and self.last > self.cfg.entropy_target:
+            return 0.0
+        return self.coef
+
+    def add(self, entropy: Tensor, mask: Tensor) -> None:
+        part = torch.stack([(entropy.double() * mask).sum(), mask.double().sum()])
+        self._window = part if self._window is None else self._window + part
+
+    def step(self) -> None:
+        """At an optimizer step's end: the step's entropy over every rank, then the coefficient's update."""
+        if self.cfg.use_adaptive_entropy and self._window is not None:
+            totals = global_sum(self._window)
+            world = float(totals[0] / totals[1].clamp(min=1.0))
+            c = self.cfg
+            self.coef = (min(self.coef + c.entropy_coef_delta, c.entropy_coef_max) if world <= c.entropy_target
+                         else max(self.coef - c.entropy_coef_delta, c.entropy_coef_min))
+            self.last = world
+        self._window = None
+
+    def state_dict(self) -> dict:
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.coef, self.last = float(state["entropy_coef"]), float(state["last_world_entropy"])
