@@ -342,22 +342,18 @@ def export(module, path: str, merged: bool = False) -> None:
     from .lightning.fsdp import full_state_dict, is_sharded
 
     remove_segment_ki(module.policy)
-    if getattr(module, "peft_model", None) is not None:
-        from .rl.lora import export_adapters
-
-        bad = nonfinite_weights(module.policy, False)
-        if bad:
-            raise ValueError(f"the trained policy holds non-finite weights ({bad}): nothing is exported to {path}; "
-                             "resume from an earlier checkpoint")
-        if module.global_rank == 0:
-            export_adapters(module.peft_model, module.tokenizer, path, merged)
-            log.info("segki: exported the LoRA %s to %s", "merged model" if merged else "adapters", path)
-        return
     sharded = is_sharded(module.policy)
     bad = nonfinite_weights(module.policy, sharded)
     if bad:
         raise ValueError(f"the trained policy holds non-finite weights ({bad}): nothing is exported to {path}; "
                          "resume from an earlier checkpoint")
+    if getattr(module, "peft_model", None) is not None:
+        from .rl.lora import export_adapters
+
+        if module.global_rank == 0:
+            export_adapters(module.peft_model, module.tokenizer, path, merged)
+            log.info("segki: exported the LoRA %s to %s", "merged model" if merged else "adapters", path)
+        return
     state = full_state_dict(module.policy, getattr(module, "compute_dtype", None)) if sharded else None
     if module.global_rank == 0:   # every rank holds (or has just gathered) the same weights; one writes them
         module.policy.save_pretrained(path, state_dict=state)

@@ -22,7 +22,7 @@ from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
 from .flops import FlopShape, peak_flops
 from .logprobs import TokenScores, completion_logprobs, packs
-from .lora import adapters_off, is_peft
+from .lora import is_peft
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .rewards import RewardFn, WeightedReward, as_rewards, score
@@ -187,7 +187,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         model."""
         with self._timed("reference"):
             if self._reference_is_base:
-                with adapters_off(self.peft_model):
+                with self.peft_model.disable_adapter():   # the base alone
                     return self.score_all(self.policy, ro).logp
             logp = self.score_all(self.reference, ro).logp
             reshard(self.reference)

@@ -73,9 +73,10 @@ class GRPOModule(RLModule):
         """DAPO's dynamic sampling (:mod:`.dynamic`): more rollouts of refill prompts until ``want`` groups have
         rewards that differ or ``max_num_gen_batches`` rollouts were made; the batch of ``want`` groups."""
         g, scored = self.cfg.num_generations, [first]
-        count = lambda: sum(int(informative_groups(s.rewards, g).sum()) for s in scored)   # noqa: E731
-        while count() < want and len(scored) < self.cfg.max_num_gen_batches:
+        found = int(informative_groups(first.rewards, g).sum())
+        while found < want and len(scored) < self.cfg.max_num_gen_batches:
             scored.append(self.rollout_and_score(self.refill_prompts(want).next(), g))
+            found += int(informative_groups(scored[-1].rewards, g).sum())
         s, metrics = fill(scored, want, g, self.pad_token_id)
         for name, v in metrics.items():
             self.log(name, v, batch_size=want)

@@ -7,7 +7,6 @@ in place), so log-probs, rollouts and FLOP counts see the architecture they know
 for switching the adapters off and for saving them."""
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from torch import nn
@@ -36,11 +35,6 @@ def apply_lora(model: nn.Module, r: int, lora_alpha: int, lora_dropout: float = 
     cfg = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, task_type="CAUSAL_LM",
                      target_modules=target_modules if isinstance(target_modules, str) else list(target_modules))
     return get_peft_model(model, cfg)
-
-
-def adapters_off(peft_model: nn.Module) -> contextlib.AbstractContextManager:
-    """The base model's forward inside the ``with``: peft's ``disable_adapter``."""
-    return peft_model.disable_adapter()
 
 
 def export_adapters(peft_model: nn.Module, tokenizer: Any, path: str, merged: bool = False) -> None:

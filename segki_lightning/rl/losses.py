@@ -83,7 +83,7 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, loss_type: str, totals: Totals)
     mean otherwise."""
     if loss_type in ("dapo", "cispo", "vespo"):
         return (entropy * mask).sum() / totals.global_tokens
-    return (entropy * mask).sum() / totals.tokens
+    return token_mean(entropy, mask, totals)
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,

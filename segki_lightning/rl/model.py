@@ -62,15 +62,22 @@ def load_pretrained(name_or_path: str, dtype: str = "auto", revision: str | None
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 
 
+def hub_offline() -> bool:
+    """Whether the Hub is off limits: ``HF_HUB_OFFLINE`` as huggingface_hub read it at import, or as set since."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
 def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
     """A local folder as it is; else a Hub model id's snapshot folder in the Hub cache (fetched when missing, unless
     offline: ``HF_HUB_OFFLINE=1``). Either way one clear error naming ``model.pretrained`` when it is neither."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
     if Path(name_or_path).is_dir():
         return name_or_path
-    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = hub_offline()
     try:
         return snapshot_download(name_or_path, revision=revision, allow_patterns=_CHECKPOINT_FILES,
                                  local_files_only=offline)

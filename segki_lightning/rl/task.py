@@ -3,7 +3,6 @@
 ``tokenizers``."""
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from collections.abc import Sequence
@@ -53,12 +52,6 @@ class SyntheticAddition(Dataset):
 FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def _offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
 def load_rows(path: str, config: str | None = None, split: str = "train", revision: str | None = None,
               key: str = "task.path"):
     """A ``datasets.Dataset`` from a local data file (.jsonl/.json/.parquet/.csv), a local dataset folder, or a Hub
@@ -66,6 +59,8 @@ def load_rows(path: str, config: str | None = None, split: str = "train", revisi
     ``HF_HUB_OFFLINE=1``, read from datasets' own cache or a snapshot in the Hub cache). One error naming ``key``
     (and ``task.config`` / ``task.split`` where those are wrong) for anything else."""
     import datasets
+
+    from .model import hub_offline
 
     p = Path(path)
     if p.is_file():
@@ -78,10 +73,10 @@ def load_rows(path: str, config: str | None = None, split: str = "train", revisi
     except ValueError as err:   # an unknown split or config of a dataset that was found
         raise ValueError(f"{where}: {err} -- set task.split / task.config to one it has") from None
     except Exception as err:   # no such dataset, no network, or offline without datasets' cache of it
-        folder = _hub_snapshot(path, revision) if not p.is_dir() and _offline() else None
+        folder = _hub_snapshot(path, revision) if not p.is_dir() and hub_offline() else None
         if folder is not None:
             return load_rows(folder, config, split, None, key)
-        mode = "in the local caches (HF_HUB_OFFLINE=1)" if _offline() else "on the Hub"
+        mode = "in the local caches (HF_HUB_OFFLINE=1)" if hub_offline() else "on the Hub"
         raise FileNotFoundError(f"{where} is neither a local file or folder nor a dataset found {mode}: "
                                 f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
 
