@@ -45,15 +45,20 @@ def weight_bytes(model) -> int:
     return total
 
 
-def ours(model, batch: int, greedy: bool, use_segki: bool) -> dict:
+MODES = {"greedy": dict(temperature=0.0), "sample T=1": dict(temperature=1.0),
+         # TRL's two sampler knobs, each a torch op beside the fused sampler inside the captured step
+         "sample T=1 min_p=0.05 rep=1.1": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.1)}
+
+
+def ours(model, batch: int, sampling: dict, use_segki: bool) -> dict:
     engine = RolloutEngine(model, max_batch_size=max(batch, 1), max_seq_len=PROMPT + NEW + 8,
                            use_segki=use_segki, graph_capture=True, eos_token_id=[])
     g = torch.Generator().manual_seed(batch)
     # one 128-token prompt sampled `batch` times: one prefill, `batch` independent decode rows
     prompts = [torch.randint(10, 1000, (PROMPT,), generator=g).tolist()]
-    cfg = SamplingConfig(max_new_tokens=NEW, temperature=0.0 if greedy else 1.0, n=batch, seed=0)
+    cfg = SamplingConfig(max_new_tokens=NEW, n=batch, seed=0, **sampling)
     t0 = time.perf_counter()
-    engine.generate(prompts, SamplingConfig(max_new_tokens=8, temperature=cfg.temperature, n=batch))  # capture
+    engine.generate(prompts, SamplingConfig(max_new_tokens=8, n=batch, **sampling))  # capture
     warm = time.perf_counter() - t0
     runs = [engine.generate(prompts, cfg).stats for _ in range(2)]
     s = min(runs, key=lambda r: r.decode_s)
@@ -119,7 +124,10 @@ def main() -> None:
     ap.add_argument("--skip-ours", action="store_true", help="only the transformers baselines and the roofline")
     ap.add_argument("--no-graph-only", action="store_true", help="leave out the 'graph only' rows (the plain "
                     "forward captured): halves the time of our rows")
+    ap.add_argument("--processors", action="store_true", help="add rows sampled with min_p and repetition_penalty "
+                    "beside the plain sampler's")
     args = ap.parse_args()
+    modes = list(MODES) if args.processors else list(MODES)[:2]
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     bw = copy_bandwidth_gbps()
@@ -137,8 +145,7 @@ def main() -> None:
         add(model=name, system="roofline (weights once / copy BW)", batch=1, mode="-", decode_tok_s=round(roof, 1),
             weight_gb=round(wb / 1e9, 3), copy_gbps=round(bw, 1))
         for batch in args.batches:
-            for greedy in (True, False):
-                mode = "greedy" if greedy else "sample T=1"
+            for mode in modes:
                 for segki in () if args.skip_ours else (True,) if args.no_graph_only else (True, False):
                     system = "ours: segki + graph" if segki else "ours: graph only"
                     if not segki:
@@ -147,7 +154,7 @@ def main() -> None:
                     # compiles the Triton prefill kernels)
                     print(f"[{time.perf_counter() - started:.0f} s] {name} b={batch} {mode} {system}", flush=True)
                     try:
-                        r = ours(model, batch, greedy, segki)
+                        r = ours(model, batch, MODES[mode], segki)
                     except Exception as exc:  # keep measuring the rest; the row says what failed
                         r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
                     add(model=name, system=system, batch=batch, mode=mode, **r,

@@ -13,7 +13,7 @@ from .test_rollout import build_model, random_prompts
 
 
 @pytest.mark.parametrize("penalty, min_p, temperature", [(1.3, 0.0, 1.0), (0.8, 0.05, 0.7), (1.0, 0.2, 1.4),
-                                                          (1.5, 0.1, 0.0)])
+                                                          (1.5, 0.1, 0.0), (0.5, 0.3, 2.0)])
 def test_processed_logits_equal_transformers(penalty, min_p, temperature):
     from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper)
@@ -21,16 +21,30 @@ def test_processed_logits_equal_transformers(penalty, min_p, temperature):
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     logits = torch.randn(3, 50, generator=gen) * 3
     ids = torch.randint(0, 50, (3, 7), generator=gen)
-    seen = torch.zeros(3, 50, dtype=torch.bool)
-    seen.scatter_(1, ids, True)
     row = lambda v: torch.full((3,), float(v))   # noqa: E731
-    got = process_logits(logits, seen, row(penalty), row(min_p), row(temperature))
+    history = torch.cat([ids, ids[:, :1].expand(3, 5)], 1)   # unused columns repeat a token already listed
+    got = process_logits(logits, history if penalty != 1 else None, row(penalty), row(min_p) if min_p else None,
+                         row(temperature))
     want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
     kept = want.clone()
     if min_p > 0:   # min-p after temperature; the logits keep their scale (the sampler divides by T itself)
         scaled = TemperatureLogitsWarper(temperature)(ids, want.clone()) if temperature > 0 else want.clone()
         kept = want.masked_fill(MinPLogitsWarper(min_p)(ids, scaled) == float("-inf"), float("-inf"))
     assert torch.equal(got, kept)
+
+
+def test_half_logits_stay_half_and_equal_the_fp32_result_rounded():
+    """The fused sampler takes the model's dtype: processed bf16 logits are the fp32 rule's values rounded (the
+    dropped set decided on the same rounded values), never a silent fp32 -> reference-sampler switch."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    logits = (torch.randn(4, 300, generator=gen) * 4).bfloat16()
+    history = torch.randint(0, 300, (4, 20), generator=gen)
+    row = lambda v: torch.full((4,), float(v))   # noqa: E731
+    got = process_logits(logits, history, row(1.3), row(0.02), row(0.8))
+    assert got.dtype == torch.bfloat16
+    penalised = process_logits(logits.float(), history, row(1.3), None, row(0.8)).bfloat16()
+    want = process_logits(penalised, None, row(1.0), row(0.02), row(0.8))
+    assert torch.equal(got, want) and torch.isinf(got).any() and torch.isfinite(got).any(1).all()
 
 
 def test_greedy_with_a_repetition_penalty_equals_generate(tmp_path):

@@ -47,9 +47,10 @@ class SamplingConfig:
             raise ValueError(f"repetition_penalty must be > 0 (1 means off), got {self.repetition_penalty}")
 
     @property
-    def processed(self) -> bool:
-        """Whether the decode loop runs :mod:`~segki_lightning.rollout.processors` (min-p or a penalty on)."""
-        return self.min_p > 0.0 or self.repetition_penalty != 1.0
+    def processors(self) -> tuple[bool, bool]:
+        """Which of :mod:`~segki_lightning.rollout.processors` the decode loop runs: (repetition penalty, min-p);
+        each setting its own captured graph."""
+        return self.repetition_penalty != 1.0, self.min_p > 0.0
 
     @property
     def greedy(self) -> bool:

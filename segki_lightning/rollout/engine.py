@@ -50,7 +50,8 @@ class _DecodeState:
         self.top_p = torch.ones(max_batch, dtype=torch.float32, **z)         # [B]
         self.min_p = torch.zeros(max_batch, dtype=torch.float32, **z)        # [B]
         self.penalty = torch.ones(max_batch, dtype=torch.float32, **z)       # [B] repetition penalty
-        self.seen = None   # [B, V] bool: tokens in each row so far, allocated when a penalty or min-p is on
+        self.history = None   # [B, S] long: each row's tokens so far (prompt, then completion), with a penalty on
+        self.history_base = torch.zeros(max_batch, dtype=torch.long, **z)   # [B] prompt length: completion's column 0
         self.seed = torch.zeros(max_batch, dtype=torch.long, **z)            # [B]
         self.offset = torch.zeros(max_batch, dtype=torch.long, **z)          # [B] = completion index
         self.out_tokens = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)       # [B, S]
@@ -113,7 +114,7 @@ class RolloutEngine:
         self.cache: StaticHybridCache | None = None
         self.state: _DecodeState | None = None
         self._rope: RopeTable | None = None      # cos/sin per cache position (use_segki; built with the cache)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
+        self._graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
         self._packed_ptrs: tuple[int, ...] | None = None   # parameter addresses right after the last packing
         self.captures = 0          # graphs captured so far (tests and logs read it)
         self.capture_s = 0.0       # seconds spent warming up and capturing
@@ -132,12 +133,12 @@ class RolloutEngine:
         self.model.eval()
         try:
             groups = self._prefill_groups(prompts)
-            processed = sampling.processed
-            if processed and self.state.seen is None:
-                self.state.seen = torch.zeros(self.max_batch_size, self._vocab(), dtype=torch.bool,
-                                              device=self.device)
+            procs = sampling.processors
+            if procs[0] and self.state.history is None:
+                self.state.history = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long,
+                                                 device=self.device)
             if self.graph_capture:
-                self._ensure_graph(bucket, ptrs, processed)
+                self._ensure_graph(bucket, ptrs, procs)
                 self.prefiller.prepare([[prompts[i] for i in g] for g in groups], ptrs)
             stats = RolloutStats(path=self.path)
             state, cache = self._reset(bucket, n_rows, sampling)
@@ -147,9 +148,9 @@ class RolloutEngine:
             steps = 0
             for step in range(1, sampling.max_new_tokens):
                 if self.graph_capture:
-                    self._graphs[(bucket, processed)][0].replay()
+                    self._graphs[(bucket, procs)][0].replay()
                 else:
-                    self._step(bucket, processed)
+                    self._step(bucket, procs)
                 steps += 1
                 if step % CHECK_EVERY == 0 and bool(state.finished[:n_rows].all()):
                     break
@@ -257,8 +258,6 @@ class RolloutEngine:
         st.top_p.fill_(sampling.top_p)
         st.min_p.fill_(sampling.min_p)
         st.penalty.fill_(sampling.repetition_penalty)
-        if st.seen is not None:
-            st.seen.zero_()
         rows = torch.arange(bucket, device=self.device, dtype=torch.long)
         st.seed.copy_(rows + (sampling.seed & 0x7FFFFFFF) * 1_000_003)
         cache.lengths.zero_()
@@ -286,10 +285,14 @@ class RolloutEngine:
             if first is None:
                 first = out.logits.new_empty(len(prompts) * n, out.logits.shape[1])
             first.index_copy_(0, rows, out.logits.index_select(0, src))
-        if sampling.processed:   # each row has seen its prompt
-            pairs = torch.tensor([[i * n + k, t] for i, p in enumerate(prompts) for k in range(n) for t in p])
-            st.seen[pairs[:, 0].to(self.device), pairs[:, 1].to(self.device)] = True
-        tok, lp = self._sample(first, st, sampling.processed)
+        procs = sampling.processors
+        if procs[0]:   # each row's history starts as its prompt; unused columns repeat its first token
+            hist = torch.tensor([p[0] for p in prompts]).repeat_interleave(n)[:, None].repeat(1, self.max_seq_len)
+            for i, p in enumerate(prompts):
+                hist[i * n:(i + 1) * n, :len(p)] = torch.tensor(p)                         # [N, S]
+            st.history.copy_(hist.to(self.device))
+            st.history_base.copy_(torch.tensor([len(p) for p in prompts]).repeat_interleave(n).to(self.device))
+        tok, lp = self._sample(first, st, procs)
         self._record(st, tok, lp)
         st.offset.add_(1)
 
@@ -301,22 +304,22 @@ class RolloutEngine:
         ops.record_tokens(tok, lp, st.finished[rows], st.offset[rows], st.token[rows], st.out_tokens[rows],
                           st.out_logprobs[rows], st.out_mask[rows], self._eos, self.pad, lengths)
 
-    def _sample(self, logits: Tensor, st: _DecodeState, processed: bool) -> tuple[Tensor, Tensor]:
-        """``(tokens, logprobs) [B]`` from ``logits [B, V]``; with processors on (:mod:`.processors`) the fused
-        sampler draws from the processed logits, the log-probs stay the model's own (``log_softmax(logits / T)``),
-        and each row's new token joins its seen set."""
-        if not processed:
+    def _sample(self, logits: Tensor, st: _DecodeState, procs: tuple[bool, bool] = (False, False)
+                ) -> tuple[Tensor, Tensor]:
+        """``(tokens, logprobs) [B]`` from ``logits [B, V]``. With processors on (``procs``: penalty, min-p; see
+        :mod:`.processors`) the fused sampler draws from the processed logits, the log-probs stay the model's own
+        (``log_softmax(logits / T)``), and each row's new token joins its history."""
+        if not any(procs):
             return ops.sample_tokens(logits, st.temperature, st.top_k, st.top_p, st.seed, st.offset)
-        x = process_logits(logits, st.seen, st.penalty, st.min_p, st.temperature)             # [B, V] fp32
+        x = process_logits(logits, st.history if procs[0] else None, st.penalty, st.min_p if procs[1] else None,
+                           st.temperature)                                                  # [B, V]
         tok, _ = ops.sample_tokens(x, st.temperature, st.top_k, st.top_p, st.seed, st.offset)
-        st.seen.scatter_(1, tok[:, None], True)
+        if procs[0]:
+            col = (st.history_base + st.offset).clamp_(max=st.history.shape[1] - 1)        # [B]
+            st.history.scatter_(1, col[:, None], tok[:, None])
         return tok, raw_logprob(logits, tok, st.temperature)
 
-    def _vocab(self) -> int:
-        head = self.model.get_output_embeddings()
-        return head.out_features if isinstance(head, nn.Linear) else int(self.model.config.vocab_size)
-
-    def _step(self, bucket: int, processed: bool = False) -> None:
+    def _step(self, bucket: int, procs: tuple[bool, bool] = (False, False)) -> None:
         """One decode step for rows [0, bucket): the function that is captured."""
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
         torch.add(cache.lengths, 1, out=cache.attn_lengths)                            # [B] incl. this token
@@ -328,19 +331,19 @@ class RolloutEngine:
         with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None), rope:
             logits = self.model(input_ids=st.token[:, None], position_ids=cache.lengths[:, None], cache=cache,
                                 use_cache=True, **kw).logits[:, -1]                    # [B, V]
-        tok, lp = self._sample(logits.contiguous(), st, processed)
+        tok, lp = self._sample(logits.contiguous(), st, procs)
         self._record(st, tok, lp, lengths=cache.lengths)   # then offset and lengths + 1
 
-    def _ensure_graph(self, bucket: int, ptrs: tuple[int, ...], processed: bool = False) -> None:
-        held = self._graphs.get((bucket, processed))
+    def _ensure_graph(self, bucket: int, ptrs: tuple[int, ...], procs: tuple[bool, bool] = (False, False)) -> None:
+        held = self._graphs.get((bucket, procs))
         if held is not None and held[1] == ptrs:
             return
         t0 = time.perf_counter()
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
         cache.lengths.zero_()
         st.finished.fill_(True)
-        graph, _ = capture(lambda: self._step(bucket, processed), warmups=2)
-        self._graphs[(bucket, processed)] = (graph, ptrs)
+        graph, _ = capture(lambda: self._step(bucket, procs), warmups=2)
+        self._graphs[(bucket, procs)] = (graph, ptrs)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         log.info("segki: captured decode graph for batch bucket %d in %.2f s", bucket, time.perf_counter() - t0)

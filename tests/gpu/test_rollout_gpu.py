@@ -55,6 +55,35 @@ def test_graph_equals_eager_and_one_capture_serves_many_calls(tmp_path):
     assert graph.captures == 1  # buckets 4 and 4: one graph for three calls
 
 
+def test_processors_in_the_captured_step_equal_eager_and_reach_the_native_sampler(tmp_path):
+    """min-p and the repetition penalty inside the graph: graph == eager token for token (greedy with a penalty,
+    and sampled with both), min-p near 1 gives the greedy tokens, a penalty changes them, and the processed
+    logits stay bf16 so the native sampler (not the reference) draws from them."""
+    from segki_lightning.ops import dispatch
+
+    model = cuda_model(tmp_path, seed=3)
+    graph = RolloutEngine(model, max_batch_size=8, max_seq_len=96, graph_capture=True, eos_token_id=[])
+    eager = RolloutEngine(model, max_batch_size=8, max_seq_len=96, graph_capture=False, eos_token_id=[])
+    ps = prompts([6, 21, 33], seed=3)
+    plain = graph.generate(ps, SamplingConfig(max_new_tokens=40, temperature=0.0))
+    pen = SamplingConfig(max_new_tokens=40, temperature=0.0, repetition_penalty=1.5)
+    a, b = graph.generate(ps, pen), eager.generate(ps, pen)
+    assert torch.equal(a.completion_ids, b.completion_ids) and not torch.equal(a.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-3)
+    both = SamplingConfig(max_new_tokens=40, temperature=1.0, min_p=0.1, repetition_penalty=1.2, n=2, seed=7)
+    assert torch.equal(graph.generate(ps, both).completion_ids, eager.generate(ps, both).completion_ids)
+    near = graph.generate(ps, SamplingConfig(max_new_tokens=40, temperature=1.0, min_p=0.999, seed=1))
+    assert torch.equal(near.completion_ids, plain.completion_ids)
+    calls = []
+    real = dispatch.reference.sample_tokens
+    dispatch.reference.sample_tokens = lambda *a: calls.append(1) or real(*a)
+    try:
+        eager.generate(ps, both)
+    finally:
+        dispatch.reference.sample_tokens = real
+    assert not calls, "processed logits fell back to the reference sampler"
+
+
 def test_logprobs_match_a_plain_forward_within_bf16_tolerance(tmp_path):
     model = cuda_model(tmp_path, seed=1)
     engine = RolloutEngine(model, max_batch_size=4, max_seq_len=64, eos_token_id=[])
