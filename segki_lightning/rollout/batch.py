@@ -27,7 +27,11 @@ class RolloutStats:
     setup_s: float = 0.0         # wall seconds before the prefill: checks, packing, graph captures, buffer resets
     collect_s: float = 0.0       # wall seconds after the decode loop: the batch's tensors and token count
     tokens: int = 0              # generated tokens (completion_mask.sum())
-    steps: int = 0               # decode steps run (<= max_new_tokens - 1)
+    steps: int = 0               # decode steps run (<= max_new_tokens - 1 a turn)
+    turns: int = 0               # turns run (1 for ``generate``; ``generate_turns``: up to its max_turns)
+    respond_s: float = 0.0       # wall seconds in the caller's ``respond`` (tools, environments) between turns
+    observation_tokens: int = 0  # tokens appended by ``respond`` (masked out of the loss: ``tool_mask`` 0)
+    observations_cut: int = 0    # observations cut to the row's remaining token budget
     path: str = ""               # "graph+native", "eager+reference", ...
 
     @property
@@ -48,6 +52,10 @@ class RolloutBatch:
     prompt_index: torch.Tensor      # [N] int64, r // n
     stats: RolloutStats = field(default_factory=RolloutStats)
     stopped: torch.Tensor | None = None   # [N] bool: ended by a stop string (set by the RL modules' stop_strings)
+    # [N, T] int64 (multi-turn only, TRL's name): 1 on the model's own tokens, 0 on tokens appended between turns
+    # (tool results, environment observations), which completion_mask counts as part of the sequence
+    tool_mask: torch.Tensor | None = None
+    turns: torch.Tensor | None = None     # [N] int64 (multi-turn only): turns each row ran
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]

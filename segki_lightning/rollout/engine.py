@@ -27,6 +27,7 @@ from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
 from .graphs import capture, parameter_ptrs, pow2_bucket
 from .prefill import Prefiller
+from .turns import Respond, StepKind, run_turns
 from .processors import process_logits, raw_logprob
 from .rope import RopeTable, rotary_module
 
@@ -54,12 +55,18 @@ class _DecodeState:
         self.history_base = torch.zeros(max_batch, dtype=torch.long, **z)   # [B] prompt length: completion's column 0
         self.seed = torch.zeros(max_batch, dtype=torch.long, **z)            # [B]
         self.offset = torch.zeros(max_batch, dtype=torch.long, **z)          # [B] = completion index
+        self.limit = torch.zeros(max_batch, dtype=torch.long, **z)           # [B] max_new_tokens (turns' budget)
         self.out_tokens = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)       # [B, S]
         self.out_logprobs = torch.zeros(max_batch, max_seq, dtype=torch.float32, **z)  # [B, S]
         self.out_mask = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)         # [B, S]
 
     def rows(self, n: int) -> "_DecodeState":
         return _DecodeState(0, 0, None, _views={k: None if v is None else v[:n] for k, v in self.__dict__.items()})
+
+    def select(self, index: Tensor) -> "_DecodeState":
+        """Copies of rows ``index [R]`` (a gather, not views): the per-row settings of a subset to sample."""
+        return _DecodeState(0, 0, None, _views={k: None if v is None else v.index_select(0, index)
+                                                for k, v in self.__dict__.items()})
 
 
 class RolloutEngine:
@@ -114,7 +121,7 @@ class RolloutEngine:
         self.cache: StaticHybridCache | None = None
         self.state: _DecodeState | None = None
         self._rope: RopeTable | None = None      # cos/sin per cache position (use_segki; built with the cache)
-        self._graphs: dict[tuple[int, tuple[bool, bool]], tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
+        self._graphs: dict[tuple[int, StepKind], tuple[torch.cuda.CUDAGraph, tuple[int, ...]]] = {}
         self._packed_ptrs: tuple[int, ...] | None = None   # parameter addresses right after the last packing
         self.captures = 0          # graphs captured so far (tests and logs read it)
         self.capture_s = 0.0       # seconds spent warming up and capturing
@@ -123,6 +130,24 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig) -> RolloutBatch:
         """Generate ``sampling.n`` completions per prompt; see :class:`RolloutBatch` for the layout."""
+        return self._run(prompts, sampling)
+
+    @torch.no_grad()
+    def generate_turns(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig,
+                       respond: Respond, max_turns: int) -> RolloutBatch:
+        """Multi-turn generation: each row generates until EOS, then ``respond(rows, completions)`` (row indices
+        and each row's completion so far, token ids up to its EOS) returns per row the tokens to append (a tool
+        result or an environment's observation, chat-templated up to where the model's next turn starts) or None
+        to end the row. Appended tokens are part of the completion (``completion_mask`` 1) but not the model's
+        (``tool_mask`` 0, log-prob 0); rows continue from a prefill of their whole sequence, until ``respond``
+        ends them, ``max_turns`` turns ran, or ``sampling.max_new_tokens`` (the row's budget for generated and
+        appended tokens together; an observation past it is cut, counted in ``stats.observations_cut``)."""
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        return self._run(prompts, sampling, respond, max_turns)
+
+    def _run(self, prompts, sampling: SamplingConfig, respond: Respond | None = None, max_turns: int = 1
+             ) -> RolloutBatch:
         started = time.perf_counter()
         prompts = self._check_prompts(prompts, sampling)
         n_rows = len(prompts) * sampling.n
@@ -131,36 +156,49 @@ class RolloutEngine:
         self._allocate()
         was_training = self.model.training
         self.model.eval()
+        kind = (*sampling.processors, respond is not None)   # (penalty, min-p, turns): one graph each
+        tool_mask = turns = None
         try:
             groups = self._prefill_groups(prompts)
-            procs = sampling.processors
-            if procs[0] and self.state.history is None:
+            if kind[0] and self.state.history is None:
                 self.state.history = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long,
                                                  device=self.device)
             if self.graph_capture:
-                self._ensure_graph(bucket, ptrs, procs)
+                self._ensure_graph(bucket, ptrs, kind)
                 self.prefiller.prepare([[prompts[i] for i in g] for g in groups], ptrs)
-            stats = RolloutStats(path=self.path)
+            stats = RolloutStats(path=self.path, turns=1)
             state, cache = self._reset(bucket, n_rows, sampling)
             t0 = self._sync_time()
-            self._prefill(prompts, groups, sampling, state.rows(n_rows), cache, ptrs)
+            self._prefill(prompts, sampling, state.rows(n_rows), cache, ptrs)
             t1 = self._sync_time()
-            steps = 0
-            for step in range(1, sampling.max_new_tokens):
-                if self.graph_capture:
-                    self._graphs[(bucket, procs)][0].replay()
-                else:
-                    self._step(bucket, procs)
-                steps += 1
-                if step % CHECK_EVERY == 0 and bool(state.finished[:n_rows].all()):
-                    break
+            stats.steps = self._decode(bucket, kind, sampling.max_new_tokens - 1, n_rows)
             t2 = self._sync_time()
+            stats.prefill_s, stats.decode_s = t1 - t0, t2 - t1
+            if respond is not None:
+                tool_mask, turns = run_turns(self, prompts, sampling, respond, max_turns, bucket, kind, ptrs, stats)
+                t2 = time.perf_counter()
         finally:
             self.model.train(was_training)
-        stats.prefill_s, stats.decode_s, stats.steps = t1 - t0, t2 - t1, steps
         batch = self._collect(prompts, sampling, n_rows, stats)
+        batch.tool_mask, batch.turns = tool_mask, turns
+        if tool_mask is not None:   # the model's tokens only
+            stats.tokens = int((batch.completion_mask * tool_mask).sum())
         stats.setup_s, stats.collect_s = t0 - started, time.perf_counter() - t2
         return batch
+
+    def _decode(self, bucket: int, kind: StepKind, max_steps: int, n_rows: int) -> int:
+        """Replay (or run) the decode step up to ``max_steps`` times, until rows [0, n_rows) have all finished
+        (read every CHECK_EVERY steps: the loop's only device-to-host reads); returns the steps run."""
+        steps = 0
+        for step in range(1, max_steps + 1):
+            if self.graph_capture:
+                self._graphs[(bucket, kind)][0].replay()
+            else:
+                self._step(bucket, kind)
+            steps += 1
+            if step % CHECK_EVERY == 0 and bool(self.state.finished[:n_rows].all()):
+                break
+        return steps
 
     def free(self) -> None:
         """Release graphs, cache and decode buffers (they are rebuilt on the next ``generate``)."""
@@ -253,6 +291,7 @@ class RolloutEngine:
         st.finished[:n_rows] = False
         st.token.fill_(self.pad)
         st.offset.zero_()
+        st.limit.fill_(t)
         st.temperature.fill_(sampling.temperature)
         st.top_k.fill_(sampling.top_k)
         st.top_p.fill_(sampling.top_p)
@@ -270,21 +309,13 @@ class RolloutEngine:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         return [order[g0:g0 + PREFILL_GROUP] for g0 in range(0, len(order), PREFILL_GROUP)]
 
-    def _prefill(self, prompts: list[list[int]], groups: list[list[int]], sampling: SamplingConfig,
-                 st: _DecodeState, cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
-        """Prefill each group (:class:`~segki_lightning.rollout.prefill.Prefiller`), copy each prompt's state
-        into its n rows, then sample every row's first token from its prompt's last logits in one call."""
+    def _prefill(self, prompts: list[list[int]], sampling: SamplingConfig, st: _DecodeState,
+                 cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
+        """Prefill the prompts, copy each prompt's state into its n rows, then sample every row's first token
+        from its prompt's last logits in one call."""
         n = sampling.n
-        first = None                                                                    # [N, V]
-        for group in groups:
-            out = self.prefiller([prompts[i] for i in group], ptrs)
-            index = torch.tensor([[j, i * n + k, out.pads[j], len(prompts[i])]
-                                  for j, i in enumerate(group) for k in range(n)]).T.to(self.device)  # [4, g*n]
-            src, rows, pads, lengths = index
-            cache.load_prompts(out.cache, src, rows, pads, lengths)
-            if first is None:
-                first = out.logits.new_empty(len(prompts) * n, out.logits.shape[1])
-            first.index_copy_(0, rows, out.logits.index_select(0, src))
+        first = self._prefill_rows(prompts, [range(i * n, (i + 1) * n) for i in range(len(prompts))],
+                                  len(prompts) * n, cache, ptrs)                        # [N, V]
         procs = sampling.processors
         if procs[0]:   # each row's history starts as its prompt; unused columns repeat its first token
             hist = torch.tensor([p[0] for p in prompts]).repeat_interleave(n)[:, None].repeat(1, self.max_seq_len)
@@ -295,6 +326,23 @@ class RolloutEngine:
         tok, lp = self._sample(first, st, procs)
         self._record(st, tok, lp)
         st.offset.add_(1)
+
+    def _prefill_rows(self, seqs: list[list[int]], targets: Sequence[Sequence[int]], n_rows: int,
+                     cache: StaticHybridCache, ptrs: tuple[int, ...]) -> Tensor:
+        """Prefill ``seqs`` in groups (:class:`~segki_lightning.rollout.prefill.Prefiller`; sorted by length so
+        padding stays small) and load sequence i's state into each cache row of ``targets[i]``, at positions
+        ``[0, len(seqs[i]))``; returns the last logits ``[n_rows, V]`` by row (rows not targeted: undefined)."""
+        first = None
+        for group in self._prefill_groups(seqs):
+            out = self.prefiller([seqs[i] for i in group], ptrs)
+            index = torch.tensor([[j, r, out.pads[j], len(seqs[i])]
+                                  for j, i in enumerate(group) for r in targets[i]]).T.to(self.device)  # [4, rows]
+            src, rows, pads, lengths = index
+            cache.load_prompts(out.cache, src, rows, pads, lengths)
+            if first is None:
+                first = out.logits.new_empty(n_rows, out.logits.shape[1])
+            first.index_copy_(0, rows, out.logits.index_select(0, src))
+        return first
 
     # ------------------------------------------------------------------------------------------ decode
     def _record(self, st: _DecodeState, tok: Tensor, lp: Tensor, rows=slice(None), lengths: Tensor | None = None
@@ -319,7 +367,7 @@ class RolloutEngine:
             st.history.scatter_(1, col[:, None], tok[:, None])
         return tok, raw_logprob(logits, tok, st.temperature)
 
-    def _step(self, bucket: int, procs: tuple[bool, bool] = (False, False)) -> None:
+    def _step(self, bucket: int, kind: StepKind = (False, False, False)) -> None:
         """One decode step for rows [0, bucket): the function that is captured."""
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
         torch.add(cache.lengths, 1, out=cache.attn_lengths)                            # [B] incl. this token
@@ -331,19 +379,22 @@ class RolloutEngine:
         with attention_implementation(self.model, SEGKI_ATTENTION if self.use_segki else None), rope:
             logits = self.model(input_ids=st.token[:, None], position_ids=cache.lengths[:, None], cache=cache,
                                 use_cache=True, **kw).logits[:, -1]                    # [B, V]
-        tok, lp = self._sample(logits.contiguous(), st, procs)
+        tok, lp = self._sample(logits.contiguous(), st, kind[:2])
         self._record(st, tok, lp, lengths=cache.lengths)   # then offset and lengths + 1
+        if kind[2]:   # turns: rows stop at their budget; rows waiting for the next turn never run past the cache
+            torch.logical_or(st.finished, st.offset >= st.limit, out=st.finished)
+            cache.lengths.clamp_(max=self.max_seq_len - 1)
 
-    def _ensure_graph(self, bucket: int, ptrs: tuple[int, ...], procs: tuple[bool, bool] = (False, False)) -> None:
-        held = self._graphs.get((bucket, procs))
+    def _ensure_graph(self, bucket: int, ptrs: tuple[int, ...], kind: StepKind = (False, False, False)) -> None:
+        held = self._graphs.get((bucket, kind))
         if held is not None and held[1] == ptrs:
             return
         t0 = time.perf_counter()
         st, cache = self.state.rows(bucket), self.cache.rows(bucket)
         cache.lengths.zero_()
         st.finished.fill_(True)
-        graph, _ = capture(lambda: self._step(bucket, procs), warmups=2)
-        self._graphs[(bucket, procs)] = (graph, ptrs)
+        graph, _ = capture(lambda: self._step(bucket, kind), warmups=2)
+        self._graphs[(bucket, kind)] = (graph, ptrs)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
         log.info("segki: captured decode graph for batch bucket %d in %.2f s", bucket, time.perf_counter() - t0)
