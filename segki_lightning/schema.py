@@ -98,6 +98,8 @@ class Recipe:
     task: TaskConf = field(default_factory=TaskConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     rewards: list[Any] = field(default_factory=list)   # [{_target_: ..., weight: ...}]
+    tools: list[Any] = field(default_factory=list)     # TRL's tools: dotted paths of functions (multi-turn rollouts)
+    environment_factory: str | None = None   # TRL's: dotted path of a class/callable; one environment per rollout
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     ckpt_path: str | None = None    # resume from this Lightning checkpoint
     export_dir: str | None = None   # save_pretrained the trained policy here

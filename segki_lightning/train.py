@@ -81,6 +81,32 @@ def build_rewards(cfg) -> list:
     return out
 
 
+def build_tools(cfg) -> tuple[list, Any]:
+    """TRL's ``tools`` (functions: dotted paths or Hydra nodes) and ``environment_factory`` (a dotted path of a class
+    or function that builds one environment) from the recipe; one error naming the key for a path that does not
+    import."""
+    from hydra.utils import get_method, get_object, instantiate
+
+    tools = []
+    for i, node in enumerate(cfg.get("tools") or []):
+        try:
+            fn = get_method(node) if isinstance(node, str) else instantiate(node)
+        except Exception as err:
+            raise ValueError(f"tools[{i}] could not be imported ({err}): give the dotted path of a function "
+                             "(my_module.my_tool)") from None
+        tools.append(fn)
+    factory = cfg.get("environment_factory")
+    if factory:
+        try:
+            factory = get_object(factory)
+        except Exception as err:
+            raise ValueError(f"environment_factory {factory!r} could not be imported ({err}): give the dotted path "
+                             "of a class or function that returns one environment") from None
+        if not callable(factory):
+            raise ValueError(f"environment_factory {cfg.environment_factory!r} is not callable")
+    return tools, factory or None
+
+
 def prompts(cfg, path: str | None, size: int, seed: int, split: str | None = None, key: str = "task.path"):
     """Prompts of the dataset at ``path`` (a local file or folder or a Hub dataset id; ``task.*`` says which
     config, split, columns and chat form), else ``size`` synthetic ones."""
@@ -197,10 +223,12 @@ def run(cfg) -> dict:
     module_cls = module_class(cfg.module, module_cls)
     algo = build_algo(cfg, conf_cls)   # settings checked before the model loads
     rollout_kw = rollout_settings(cfg, algo)
+    tools, environment_factory = build_tools(cfg)   # imports checked before the model loads
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
     rewards = build_rewards(cfg)
-    module = module_cls(policy, tokenizer, rewards, algo)
+    extra = dict(tools=tools, environment_factory=environment_factory) if tools or environment_factory else {}
+    module = module_cls(policy, tokenizer, rewards, algo, **extra)
     root = cfg.trainer.default_root_dir
     if cfg.export_dir:
         check_writable(cfg.export_dir, "export_dir")

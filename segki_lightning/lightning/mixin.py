@@ -15,12 +15,14 @@ def is_conversation(prompt) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
 
-def render_chat(tokenizer, messages) -> str:
-    """``messages`` through the tokenizer's chat template, ending with the assistant's generation prompt."""
+def render_chat(tokenizer, messages, tools=None) -> str:
+    """``messages`` through the tokenizer's chat template, ending with the assistant's generation prompt; ``tools``
+    (functions) rendered as the template's tool schemas."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat prompts need a tokenizer with a chat template (tokenizer.chat_template is empty): "
                          "set one, or pass prompts as strings")
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
+                                         add_generation_prompt=True)
 
 
 class SegKIRolloutMixin:
@@ -44,6 +46,17 @@ class SegKIRolloutMixin:
             cb.record(batch.stats.tokens)
         return batch
 
+    def rollout_turns(self, prompts: Sequence, sampling: SamplingConfig, respond, max_turns: int) -> RolloutBatch:
+        """Multi-turn :meth:`rollout`: :meth:`RolloutEngine.generate_turns` with ``respond`` between turns."""
+        ids = [self._prompt_ids(p) for p in prompts]
+        engine = self._rollout_engine()
+        cb = self.__dict__.get("_segki_callback")
+        with cb.full_weights() if cb is not None else contextlib.nullcontext():
+            batch = engine.generate_turns(ids, sampling, respond, max_turns)
+        if cb is not None:
+            cb.record(batch.stats.tokens)
+        return batch
+
     def _prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt: ids as given; a string tokenized without special tokens; a conversation (a list
         of ``{"role", "content"}`` messages, TRL's conversational format) rendered with the tokenizer's chat
@@ -55,7 +68,7 @@ class SegKIRolloutMixin:
             if tok is None:
                 raise TypeError("string and chat prompts need self.tokenizer; pass token ids instead")
             if not isinstance(prompt, str):
-                prompt = render_chat(tok, prompt)
+                prompt = render_chat(tok, prompt, getattr(self, "chat_tools", None))
             return tok(prompt, add_special_tokens=False)["input_ids"]
         return list(prompt)
 

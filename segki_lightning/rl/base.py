@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from .rewards import RewardFn, WeightedReward, as_rewards, score
 from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
 from .task import check_batch, completion_token_ids, cut_at_stop_strings, decode
+from .tools import ToolSession, check_environment, environment_reward, environment_tools, with_text
 from .update import LossFn, accumulate, micro_batches
 
 
@@ -42,6 +44,7 @@ class Scored:
     rewards: Tensor              # [N] fp32 weighted reward
     means: dict[str, float]      # mean of each reward function
     rollout_s: float
+    tools: dict[str, float] | None = None   # multi-turn rollouts: tool-call metrics by name
 
 
 def row_lengths(ro: RolloutBatch, rows: Tensor) -> Tensor:
@@ -52,13 +55,26 @@ def row_lengths(ro: RolloutBatch, rows: Tensor) -> Tensor:
 class RLModule(SegKIRolloutMixin, pl.LightningModule):
     """Base of the RL LightningModules: ``self.policy`` trained in place, rollouts from the same weights."""
 
-    def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[RewardFn | WeightedReward], cfg: Any):
+    def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[RewardFn | WeightedReward], cfg: Any,
+                 tools: Sequence[Callable] = (), environment_factory: Callable[[], Any] | None = None):
         super().__init__()
         self.__dict__["peft_model"] = policy if is_peft(policy) else None   # kept out of the module tree
         if self.peft_model is not None:   # compute on the transformers model inside (its layers carry the adapters)
             policy = policy.get_base_model()
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
-        self.rewards = as_rewards(rewards, cfg.reward_weights)
+        # TRL's tools and environment_factory (:mod:`.tools`): multi-turn rollouts when either is given
+        self.tools, self.environment_factory = list(tools), environment_factory
+        self.chat_tools, env_reward = self.tools, None
+        if environment_factory is not None:
+            probe = environment_factory()
+            check_environment(probe)
+            self.chat_tools = self.tools + list(environment_tools(probe).values())
+            if callable(getattr(probe, "get_reward", None)):
+                env_reward = WeightedReward(environment_reward, 1.0, type(probe).__name__)
+        if env_reward is not None and not rewards:   # the environment owns the reward (TRL: then rewards may be empty)
+            self.rewards = [env_reward]
+        else:
+            self.rewards = as_rewards(rewards, cfg.reward_weights) + ([env_reward] if env_reward else [])
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self._step_started = 0.0
@@ -355,20 +371,54 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """Roll out ``n`` completions of every prompt of ``batch`` and score them with the reward functions, which
         get what TRL passes: the prompts as given and, for conversations, each completion as one assistant message."""
         t0 = time.perf_counter()
-        ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy))
+        prompts, session, envs = [p for p in batch["prompt"] for _ in range(n)], None, None
+        if self.tools or self.environment_factory is not None:
+            ro, prompts, session, envs = self.tool_rollout(batch, n, greedy)
+        else:
+            ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy))
         if self.cfg.stop_strings:
             ro.stopped = cut_at_stop_strings(ro.completion_ids, ro.completion_mask, self.tokenizer,
                                              self.cfg.stop_strings).to(ro.completion_mask.device)
         rollout_s = time.perf_counter() - t0
         texts = decode(self.tokenizer, ro.completion_ids, ro.completion_mask)
         columns = {k: [v for v in vals for _ in range(n)] for k, vals in batch.items() if k != "prompt"}
-        prompts = [p for p in batch["prompt"] for _ in range(n)]
         chat = is_conversation(prompts[0])
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        if session is not None and chat:   # TRL's: the turns as messages, tool results included
+            completions = session.messages
+        else:
+            completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+        extra = {"environments": envs} if envs is not None else {}
         total, means = score(self.rewards, prompts, completions, columns, completion_ids=completion_token_ids(
-            ro.completion_ids, ro.completion_mask))
+            ro.completion_ids, ro.completion_mask), **extra)
         rewards = torch.tensor(total, dtype=torch.float32, device=self.device)
-        return Scored(ro, prompts, texts, rewards, means, rollout_s)
+        tools = None if session is None else {"tools/call_frequency": session.calls / len(ro),
+                                              "tools/failure_frequency": session.failures / max(session.calls, 1),
+                                              "time/rollout_tools_s": session.tool_s}
+        return Scored(ro, prompts, texts, rewards, means, rollout_s, tools)
+
+    def tool_rollout(self, batch: dict[str, list], n: int, greedy: bool):
+        """A multi-turn rollout with TRL's tools / environment_factory: one environment per row, reset with the
+        row's columns (text it returns joins the prompt's last user message), then turns of the engine with a
+        :class:`~segki_lightning.rl.tools.ToolSession` between them. Rows are prompt-major as in a single-turn
+        rollout (``n`` per prompt); returns ``(batch, prompts [N], session, environments [N] or None)``."""
+        prompts, envs = [], None if self.environment_factory is None else []
+        for i, prompt in enumerate(batch["prompt"]):
+            row = {k: vals[i] for k, vals in batch.items()}
+            for _ in range(n):
+                if envs is not None:
+                    env = self.environment_factory()
+                    check_environment(env)
+                    envs.append(env)
+                    prompt_i = with_text(prompt, env.reset(**row))
+                else:
+                    prompt_i = prompt
+                prompts.append(prompt_i)
+        session = ToolSession(self.tokenizer, self.tools, envs, len(prompts))
+        rounds = self.cfg.max_tool_calling_iterations
+        max_turns = 1 + (rounds if rounds is not None else self.cfg.max_completion_length)
+        ro = self.rollout_turns(self.prompt_ids(prompts), self.sampling(1, greedy), session.respond, max_turns)
+        ro.prompt_index = torch.arange(len(prompts), device=ro.prompt_index.device) // n
+        return ro, prompts, session, envs
 
     def log_rollout(self, s: Scored, n_prompts: int) -> None:
         """Metrics of a new rollout (reduced across ranks; tokens/s summed)."""
@@ -377,7 +427,15 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.log("train/reward_std", s.rewards.std() if len(s.rewards) > 1 else torch.zeros(()), **kw)
         for name, v in s.means.items():
             self.log(f"train/rewards/{name}", v, **kw)
-        self.log("train/completion_length", s.batch.completion_mask.sum(1).float().mean(), **kw)
+        self.log("train/completion_length", s.batch.model_mask.sum(1).float().mean(), **kw)
+        if s.batch.turns is not None:   # multi-turn: turns, tool calls (TRL's names), appended tokens
+            st = s.batch.stats
+            self.log("rollout/turns", s.batch.turns.float().mean(), **kw)
+            self.log("rollout/observation_tokens", float(st.observation_tokens) / len(s.batch), **kw)
+            self.log("rollout/observations_cut", float(st.observations_cut), **kw)
+            self.log("time/rollout_respond_s", st.respond_s, **kw)
+            for name, v in (s.tools or {}).items():
+                self.log(name, float(v), **kw)
         self.log("rollout/tokens_per_s", s.batch.stats.tokens / max(s.rollout_s, 1e-9), prog_bar=True,
                  batch_size=n_prompts, sync_dist=True, reduce_fx="sum")
         # the engine's parts of time/rollout_s: before the prefill (checks, packing, captures), the prompts' forward

@@ -47,6 +47,7 @@ class RLConfig:
     max_prompt_length: int | None = 512
     max_completion_length: int = 512
     stop_strings: list[str] | None = None
+    max_tool_calling_iterations: int | None = None   # TRL's: tool rounds a rollout may take (null: until its budget)
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     lr_scheduler_type: str = "linear"
@@ -102,6 +103,9 @@ class RLConfig:
         if self.stop_strings is not None and (isinstance(self.stop_strings, str) or not all(
                 isinstance(x, str) and x for x in self.stop_strings)):
             raise ValueError(f"stop_strings must be a list of non-empty strings, got {self.stop_strings!r}")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise ValueError(f"max_tool_calling_iterations must be >= 0 (or null: until the completion budget), got "
+                             f"{self.max_tool_calling_iterations}")
         if self.num_generations_eval is not None and self.num_generations_eval < 1:
             raise ValueError(f"num_generations_eval must be >= 1 (or null: one greedy completion), got "
                              f"{self.num_generations_eval}")

@@ -39,7 +39,8 @@ def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
     cat = lambda f: torch.cat([f(b, r) for b, r in batches])   # noqa: E731
     n_rows = sum(len(r) for r in rows)
     stats = RolloutStats(**{k: sum(getattr(s.batch.stats, k) for s, _ in parts)
-                            for k in ("prefill_s", "decode_s", "setup_s", "collect_s", "tokens", "steps")},
+                            for k in ("prefill_s", "decode_s", "setup_s", "collect_s", "tokens", "steps",
+                                      "respond_s", "observation_tokens", "observations_cut")},
                          path=parts[0][0].batch.stats.path)
     batch = RolloutBatch(
         prompt_ids=cat(lambda b, r: left(b.prompt_ids[r], pad_token_id)),
@@ -47,7 +48,9 @@ def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
         completion_ids=cat(lambda b, r: b.completion_ids[r]), completion_mask=cat(lambda b, r: b.completion_mask[r]),
         logprobs=cat(lambda b, r: b.logprobs[r]),
         prompt_index=torch.arange(n_rows, device=parts[0][0].batch.prompt_index.device) // group, stats=stats,
-        stopped=None if parts[0][0].batch.stopped is None else cat(lambda b, r: b.stopped[r]))
+        stopped=None if parts[0][0].batch.stopped is None else cat(lambda b, r: b.stopped[r]),
+        tool_mask=None if parts[0][0].batch.tool_mask is None else cat(lambda b, r: b.tool_mask[r]),
+        turns=None if parts[0][0].batch.turns is None else cat(lambda b, r: b.turns[r]))
     weight = [len(r) for r in rows]
     means = {k: sum(w * s.means[k] for w, (s, _) in zip(weight, parts) if w) / max(sum(weight), 1)
              for k in parts[0][0].means}

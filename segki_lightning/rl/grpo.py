@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,8 +35,9 @@ class GRPOModule(RLModule):
     """
 
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[WeightedReward],
-                 config: GRPOConfig | None = None):
-        super().__init__(policy, tokenizer, rewards, config or GRPOConfig())
+                 config: GRPOConfig | None = None, tools: Sequence[Callable] = (),
+                 environment_factory: Callable[[], Any] | None = None):
+        super().__init__(policy, tokenizer, rewards, config or GRPOConfig(), tools, environment_factory)
         if self.cfg.beta > 0:
             self.keep_reference()
         if self.cfg.sync_ref_model and self.peft_model is not None:
@@ -51,7 +53,7 @@ class GRPOModule(RLModule):
         if cfg.dynamic_sampling:
             s = self.dynamically_sampled(s, len(batch["prompt"]))
         ro = s.batch
-        data = {"mask": ro.completion_mask}                                                    # [N, T]
+        data = {"mask": ro.model_mask}                               # [N, T] the model's tokens (tool results 0)
         if cfg.mask_truncated_completions:   # a row ended by EOS or a stop string is not truncated
             ended = (ro.completion_ids == self.eos_token_id).any(1)
             if ro.stopped is not None:

@@ -2,6 +2,7 @@
 KL penalty to a frozen reference, GAE, whitened advantages, clipped policy and value losses."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +30,10 @@ class PPOModule(RLModule):
     """
 
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[WeightedReward],
-                 config: PPOConfig | None = None):
+                 config: PPOConfig | None = None, tools: Sequence[Callable] = (),
+                 environment_factory: Callable[[], Any] | None = None):
+        if tools or environment_factory is not None:   # GAE over a sequence with gaps is not written yet
+            raise ValueError("tools and environment_factory run with algorithm=grpo; PPO rolls out single turns")
         super().__init__(policy, tokenizer, rewards, config or PPOConfig())
         hidden = policy.get_input_embeddings().embedding_dim
         self.value_head = nn.Linear(hidden, 1)

@@ -59,3 +59,9 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
+
+    @property
+    def model_mask(self) -> torch.Tensor:
+        """``[N, T]`` 1 on the model's own tokens: ``completion_mask`` less appended tool results/observations
+        (what losses, log-prob comparisons and token counts use)."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * self.tool_mask

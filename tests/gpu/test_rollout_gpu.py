@@ -84,6 +84,29 @@ def test_processors_in_the_captured_step_equal_eager_and_reach_the_native_sample
     assert not calls, "processed logits fell back to the reference sampler"
 
 
+def test_turns_in_the_captured_step_equal_eager_and_a_fresh_generation(tmp_path):
+    """generate_turns on the graph path: equal to the eager path token for token (greedy), rows continuing
+    after a re-prefill equal a fresh generation from their whole conversation, and the budget holds."""
+    model = cuda_model(tmp_path, seed=4)
+    eos = [t for t in range(2, 1024) if t % 5 == 0]
+    graph = RolloutEngine(model, max_batch_size=8, max_seq_len=160, graph_capture=True, eos_token_id=eos)
+    eager = RolloutEngine(model, max_batch_size=8, max_seq_len=160, graph_capture=False, eos_token_id=eos)
+    ps = prompts([7, 19, 30], seed=4)
+    obs = prompts([4, 9, 2], seed=5)
+    respond = lambda rows, c: [obs[r] for r in rows]   # noqa: E731  (always continue)
+    cfg = SamplingConfig(max_new_tokens=96, temperature=0.0)
+    a, b = graph.generate_turns(ps, cfg, respond, 4), eager.generate_turns(ps, cfg, respond, 4)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.tool_mask, b.tool_mask)
+    assert (a.completion_mask.sum(1) <= 96).all() and int(a.turns.min()) >= 2
+    for r, p in enumerate(ps):
+        got = a.completion_ids[r][a.completion_mask[r].bool()].tolist()
+        start = (a.tool_mask[r] == 0).nonzero()[0, 0].item() + len(obs[r])   # the second turn starts here
+        fresh = graph.generate([p + got[:start]], SamplingConfig(max_new_tokens=96 - start, temperature=0.0))
+        second = fresh.completion_ids[0].tolist()
+        n = next((i + 1 for i, t in enumerate(second) if t in eos), len(second))
+        assert got[start:start + n] == second[:n], r
+
+
 def test_logprobs_match_a_plain_forward_within_bf16_tolerance(tmp_path):
     model = cuda_model(tmp_path, seed=1)
     engine = RolloutEngine(model, max_batch_size=4, max_seq_len=64, eos_token_id=[])
