@@ -171,12 +171,14 @@ class RolloutEngine:
             t0 = self._sync_time()
             self._prefill(prompts, sampling, state.rows(n_rows), cache, ptrs)
             t1 = self._sync_time()
-            stats.steps = self._decode(bucket, kind, sampling.max_new_tokens - 1, n_rows)
-            t2 = self._sync_time()
-            stats.prefill_s, stats.decode_s = t1 - t0, t2 - t1
-            if respond is not None:
+            stats.prefill_s = t1 - t0
+            if respond is None:
+                stats.steps = self._decode(bucket, kind, sampling.max_new_tokens - 1, n_rows)
+                stats.decode_s = self._sync_time() - t1
+            else:   # turns: rows continue as they end theirs, between stretches of decode steps (run_turns
+                # adds its decode, prefill and respond seconds to stats)
                 tool_mask, turns = run_turns(self, prompts, sampling, respond, max_turns, bucket, kind, ptrs, stats)
-                t2 = time.perf_counter()
+            t2 = time.perf_counter()
         finally:
             self.model.train(was_training)
         batch = self._collect(prompts, sampling, n_rows, stats)
@@ -190,14 +192,19 @@ class RolloutEngine:
         """Replay (or run) the decode step up to ``max_steps`` times, until rows [0, n_rows) have all finished
         (read every CHECK_EVERY steps: the loop's only device-to-host reads); returns the steps run."""
         steps = 0
-        for step in range(1, max_steps + 1):
+        while steps < max_steps:
+            steps += self._replay(bucket, kind, min(CHECK_EVERY, max_steps - steps))
+            if steps % CHECK_EVERY == 0 and bool(self.state.finished[:n_rows].all()):
+                break
+        return steps
+
+    def _replay(self, bucket: int, kind: StepKind, steps: int) -> int:
+        """``steps`` decode steps of rows [0, bucket), with no host read; returns ``steps``."""
+        for _ in range(steps):
             if self.graph_capture:
                 self._graphs[(bucket, kind)][0].replay()
             else:
                 self._step(bucket, kind)
-            steps += 1
-            if step % CHECK_EVERY == 0 and bool(self.state.finished[:n_rows].all()):
-                break
         return steps
 
     def free(self) -> None:
