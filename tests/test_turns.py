@@ -11,65 +11,72 @@ from segki_lightning import RolloutEngine, SamplingConfig
 
 from .tiny_models import VOCAB, build_model
 
-EOS = [t for t in range(2, VOCAB) if t % 4 == 0]   # many end tokens: random greedy rows end within a few tokens
+EOS = 7
 
 
-def engine_for(tmp_path, family="qwen3_5", seq=96):
+class TurnEnds(RolloutEngine):
+    """Samples EOS exactly at the completion indices in ``ends`` (a drawn EOS elsewhere becomes EOS + 1): turns of
+    known lengths on a random model, which would end them at random or never."""
+
+    ends: torch.Tensor | None = None
+
+    def _sample(self, logits, st, procs=(False, False)):
+        tok, lp = super()._sample(logits, st, procs)
+        forced = torch.isin(st.offset, self.ends) if self.ends is not None else torch.zeros_like(tok, dtype=torch.bool)
+        tok = torch.where(forced, torch.full_like(tok, EOS), torch.where(tok == EOS, tok + 1, tok))
+        return tok, lp
+
+
+def engine_for(tmp_path, ends=(5, 14, 24), family="qwen3_5", seq=96, engine=TurnEnds):
     model = build_model(family, tmp_path)
-    return RolloutEngine(model, max_batch_size=16, max_seq_len=seq, graph_capture=False, eos_token_id=EOS)
+    e = engine(model, max_batch_size=16, max_seq_len=seq, graph_capture=False, eos_token_id=[EOS])
+    e.ends = torch.tensor(ends) if ends else None
+    return e
 
 
 def random_ids(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in n]
-
-
-def until_eos(ids: list[int]) -> list[int]:
-    """The tokens up to and including the first end token."""
-    for i, t in enumerate(ids):
-        if t in EOS:
-            return ids[:i + 1]
-    return ids
+    return [torch.randint(8, VOCAB, (k,), generator=g).tolist() for k in n]
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.7])
 def test_a_continued_row_equals_a_fresh_generation_from_its_whole_conversation(tmp_path, penalty):
-    engine = engine_for(tmp_path)
+    engine = engine_for(tmp_path, ends=(5,))   # turn 1: completion indices 0..5, EOS at 5
     prompts = random_ids([5, 11, 8], seed=int(torch.randint(0, 2**31 - 1, ())))
     observations = random_ids([3, 6, 1], seed=7)
-    asked = []
+    asked = {}
 
     def respond(rows, completions):
-        asked.append(list(rows))
-        return [observations[r] if len(asked) == 1 else None for r in rows]
+        for r in rows:
+            asked[r] = asked.get(r, 0) + 1
+        return [observations[r] if asked[r] == 1 else None for r in rows]
 
-    cfg = SamplingConfig(max_new_tokens=40, temperature=0.0, repetition_penalty=penalty)
+    cfg = SamplingConfig(max_new_tokens=30, temperature=0.0, repetition_penalty=penalty)
     batch = engine.generate_turns(prompts, cfg, respond, max_turns=3)
-    assert asked[0] == [0, 1, 2] and batch.stats.turns >= 2
+    assert set(asked) == {0, 1, 2} and batch.turns.tolist() == [2, 2, 2]
+    engine.ends = None
     for r, p in enumerate(prompts):
         ids = batch.completion_ids[r][batch.completion_mask[r].bool()].tolist()
-        first = until_eos(engine.generate([p], SamplingConfig(max_new_tokens=40, temperature=0.0,
-                                                               repetition_penalty=penalty)).completion_ids[0].tolist())
-        assert ids[:len(first)] == first, r
-        conversation = p + first + observations[r]
-        rest = 40 - len(first) - len(observations[r])
-        fresh = engine.generate([conversation], SamplingConfig(max_new_tokens=rest, temperature=0.0,
+        first = engine.generate([p], SamplingConfig(max_new_tokens=5, temperature=0.0,
+                                                    repetition_penalty=penalty)).completion_ids[0].tolist()
+        assert ids[:5] == first and ids[5] == EOS, r
+        conversation = p + ids[:6] + observations[r]
+        a, b = 6, 6 + len(observations[r])
+        fresh = engine.generate([conversation], SamplingConfig(max_new_tokens=30 - b, temperature=0.0,
                                                                 repetition_penalty=penalty))
-        second = until_eos(fresh.completion_ids[0].tolist())
-        assert ids[len(first) + len(observations[r]):] == second, r
-        # the appended tokens: in the sequence, not the model's
-        a, b = len(first), len(first) + len(observations[r])
         assert ids[a:b] == observations[r]
+        assert ids[b:] == fresh.completion_ids[0][:len(ids) - b].tolist(), r   # the second turn, token for token
+        # the appended tokens: in the sequence, not the model's
         assert batch.tool_mask[r, a:b].eq(0).all() and batch.tool_mask[r, :a].eq(1).all()
         assert batch.tool_mask[r, b:len(ids)].eq(1).all() and batch.logprobs[r, a:b].eq(0).all()
-        torch.testing.assert_close(batch.logprobs[r, b:len(ids)], fresh.logprobs[0, :len(second)],
+        torch.testing.assert_close(batch.logprobs[r, b:len(ids)], fresh.logprobs[0, :len(ids) - b],
                                    rtol=1e-4, atol=1e-4)
     assert batch.stats.observation_tokens == sum(map(len, observations))
     assert batch.stats.tokens == int((batch.completion_mask * batch.tool_mask).sum())
 
 
 def test_rows_end_at_different_turns_and_max_turns_holds(tmp_path):
-    engine = engine_for(tmp_path)
+    engine = engine_for(tmp_path, ends=(3, 8, 13, 18, 23, 28))   # turns end within 3 tokens of an answer
     prompts = random_ids([4, 9, 6, 12], seed=3)
     calls = {r: 0 for r in range(4)}
 
@@ -99,7 +106,7 @@ def test_a_huge_observation_is_cut_to_the_budget_and_counted(tmp_path):
 
 
 def test_sampled_turns_keep_the_seeded_draws_and_stay_in_the_budget(tmp_path):
-    engine = engine_for(tmp_path)
+    engine = engine_for(tmp_path, ends=tuple(range(4, 50, 9)))
     prompts = random_ids([5, 9], seed=5)
     cfg = SamplingConfig(max_new_tokens=50, temperature=1.0, n=3, seed=9)
     respond = lambda rows, c: [[3, 9, 11] for _ in rows]   # noqa: E731  (always continue)
