@@ -126,3 +126,10 @@ def test_a_wrong_answer_from_respond_is_one_clear_error(tmp_path, answer, match)
                               lambda rows, c: answer(rows), max_turns=2)
     with pytest.raises(ValueError, match="max_turns"):
         engine.generate_turns([[3, 4]], SamplingConfig(max_new_tokens=4), lambda rows, c: [], max_turns=0)
+
+
+def test_continuing_rows_prefill_in_few_forwards_within_a_token_budget():
+    groups = RolloutEngine._prefill_groups([[1] * 3, [1] * 5, [1] * 2, [1] * 9], rows=4, tokens=12)
+    assert groups == [[2, 0], [1], [3]]   # sorted by length; 2 x 5 would pass 12 tokens; 9 alone may
+    assert sorted(sum(RolloutEngine._prefill_groups([[1] * k for k in range(1, 40)], rows=64, tokens=100), [])) == \
+        list(range(39))

@@ -311,10 +311,17 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------ prefill
     @staticmethod
-    def _prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
-        """Prompt indices in forwards of at most PREFILL_GROUP, sorted by length so padding stays small."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        return [order[g0:g0 + PREFILL_GROUP] for g0 in range(0, len(order), PREFILL_GROUP)]
+    def _prefill_groups(prompts: list[list[int]], rows: int = PREFILL_GROUP, tokens: int | None = None
+                        ) -> list[list[int]]:
+        """Prompt indices in forwards of at most ``rows`` prompts and, given, ``tokens`` padded tokens (one longer
+        prompt alone may pass it), sorted by length so padding stays small."""
+        groups: list[list[int]] = []
+        for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+            if not groups or len(groups[-1]) == rows or (
+                    tokens is not None and (len(groups[-1]) + 1) * len(prompts[i]) > tokens):
+                groups.append([])
+            groups[-1].append(i)
+        return groups
 
     def _prefill(self, prompts: list[list[int]], sampling: SamplingConfig, st: _DecodeState,
                  cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
@@ -335,12 +342,13 @@ class RolloutEngine:
         st.offset.add_(1)
 
     def _prefill_rows(self, seqs: list[list[int]], targets: Sequence[Sequence[int]], n_rows: int,
-                     cache: StaticHybridCache, ptrs: tuple[int, ...]) -> Tensor:
+                      cache: StaticHybridCache, ptrs: tuple[int, ...], groups: list[list[int]] | None = None
+                      ) -> Tensor:
         """Prefill ``seqs`` in groups (:class:`~segki_lightning.rollout.prefill.Prefiller`; sorted by length so
-        padding stays small) and load sequence i's state into each cache row of ``targets[i]``, at positions
+        padding stays small; or ``groups`` of indices) and load sequence i's state into each cache row of ``targets[i]``, at positions
         ``[0, len(seqs[i]))``; returns the last logits ``[n_rows, V]`` by row (rows not targeted: undefined)."""
         first = None
-        for group in self._prefill_groups(seqs):
+        for group in groups or self._prefill_groups(seqs):
             out = self.prefiller([seqs[i] for i in group], ptrs)
             index = torch.tensor([[j, r, out.pads[j], len(seqs[i])]
                                   for j, i in enumerate(group) for r in targets[i]]).T.to(self.device)  # [4, rows]

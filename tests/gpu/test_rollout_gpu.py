@@ -57,8 +57,8 @@ def test_graph_equals_eager_and_one_capture_serves_many_calls(tmp_path):
 
 def test_processors_in_the_captured_step_equal_eager_and_reach_the_native_sampler(tmp_path):
     """min-p and the repetition penalty inside the graph: graph == eager token for token (greedy with a penalty,
-    and sampled with both), min-p near 1 gives the greedy tokens, a penalty changes them, and the processed
-    logits stay bf16 so the native sampler (not the reference) draws from them."""
+    sampled with both, min-p near 1), a penalty changes the tokens, and the processed logits stay bf16 so the
+    native sampler (not the reference) draws from them."""
     from segki_lightning.ops import dispatch
 
     model = cuda_model(tmp_path, seed=3)
@@ -72,8 +72,10 @@ def test_processors_in_the_captured_step_equal_eager_and_reach_the_native_sample
     torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-3)
     both = SamplingConfig(max_new_tokens=40, temperature=1.0, min_p=0.1, repetition_penalty=1.2, n=2, seed=7)
     assert torch.equal(graph.generate(ps, both).completion_ids, eager.generate(ps, both).completion_ids)
-    near = graph.generate(ps, SamplingConfig(max_new_tokens=40, temperature=1.0, min_p=0.999, seed=1))
-    assert torch.equal(near.completion_ids, plain.completion_ids)
+    # min-p near 1 keeps the tokens tied at the top (bf16 logits tie often, so not always plain greedy's choice;
+    # the greedy equality is a CPU fp32 test): graph == eager again
+    near = SamplingConfig(max_new_tokens=40, temperature=1.0, min_p=0.999, seed=1)
+    assert torch.equal(graph.generate(ps, near).completion_ids, eager.generate(ps, near).completion_ids)
     calls = []
     real = dispatch.reference.sample_tokens
     dispatch.reference.sample_tokens = lambda *a: calls.append(1) or real(*a)
