@@ -154,3 +154,18 @@ def test_ppo_refuses_tools_with_one_clear_line(tmp_path):
 
     with pytest.raises(ValueError, match="algorithm=grpo"):
         run(small(tmp_path, "tools=[tests.test_tools.add]", name="ppo"))
+
+
+def test_the_readme_environment_runs_as_written(tmp_path, monkeypatch):
+    """The README's environment example, as it stands, is an environment_factory the GRPO recipe trains with."""
+    import re
+    from pathlib import Path
+
+    from segki_lightning.train import run
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Tools and environments"):]
+    (tmp_path / "readme_env.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    metrics = run(small(tmp_path, "environment_factory=readme_env.Guess", "trainer.max_steps=1"))
+    assert "train/rewards/Guess" in metrics and math.isfinite(metrics["train/loss"])
