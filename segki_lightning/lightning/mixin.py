@@ -33,15 +33,16 @@ class SegKIRolloutMixin:
     rollout_max_batch_size: int = 64
     rollout_max_seq_len: int = 2048
 
-    def rollout(self, prompts: Sequence, sampling: SamplingConfig) -> RolloutBatch:
+    def rollout(self, prompts: Sequence, sampling: SamplingConfig, stop=None) -> RolloutBatch:
         """Generate ``sampling.n`` completions per prompt from the current weights (eval mode, no grad); the
         module's training mode is restored afterwards. A prompt is a string, a conversation (list of
-        ``{"role", "content"}`` messages, rendered with the chat template) or a list of token ids."""
+        ``{"role", "content"}`` messages, rendered with the chat template) or a list of token ids. ``stop``: the
+        engine's early stop (:mod:`~segki_lightning.rollout.stops`)."""
         ids = [self._prompt_ids(p) for p in prompts]
         engine = self._rollout_engine()
         cb = self.__dict__.get("_segki_callback")
         with cb.full_weights() if cb is not None else contextlib.nullcontext():   # FSDP: gathered once here
-            batch = engine.generate(ids, sampling)  # generate() switches to eval/no-grad and back
+            batch = engine.generate(ids, sampling, stop)  # generate() switches to eval/no-grad and back
         if cb is not None:
             cb.record(batch.stats.tokens)
         return batch

@@ -19,6 +19,7 @@ from ..lightning import SegKIRolloutMixin
 from ..lightning.fsdp import is_model_parallel, is_sharded, reshard, shard_frozen, shard_policy, whole
 from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, RolloutStats, SamplingConfig
+from ..rollout.stops import StopStrings
 from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
 from .flops import FlopShape, peak_flops
@@ -375,7 +376,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if self.tools or self.environment_factory is not None:
             ro, prompts, session, envs = self.tool_rollout(batch, n, greedy)
         else:
-            ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy))
+            stop = StopStrings(self.tokenizer, self.cfg.stop_strings) if self.cfg.stop_strings else None
+            ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy), stop)
         if self.cfg.stop_strings:
             ro.stopped = cut_at_stop_strings(ro.completion_ids, ro.completion_mask, self.tokenizer,
                                              self.cfg.stop_strings).to(ro.completion_mask.device)

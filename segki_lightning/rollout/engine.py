@@ -27,12 +27,13 @@ from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
 from .graphs import capture, parameter_ptrs, pow2_bucket
 from .prefill import Prefiller
+from .stops import CHECK_TOKENS, StopCheck
 from .turns import Respond, StepKind, run_turns
 from .processors import process_logits, raw_logprob
 from .rope import RopeTable, rotary_module
 
 log = logging.getLogger("segki_lightning")
-CHECK_EVERY = 16  # decode steps between the (only) device-to-host reads of "all rows finished?"
+CHECK_EVERY = CHECK_TOKENS  # decode steps between the (only) device-to-host reads of "all rows finished?"
 PREFILL_GROUP = 16  # prompts per prefill forward (sorted by length, so padding stays small)
 
 
@@ -128,9 +129,13 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------ public
     @torch.no_grad()
-    def generate(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig) -> RolloutBatch:
-        """Generate ``sampling.n`` completions per prompt; see :class:`RolloutBatch` for the layout."""
-        return self._run(prompts, sampling)
+    def generate(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig,
+                 stop: StopCheck | None = None) -> RolloutBatch:
+        """Generate ``sampling.n`` completions per prompt; see :class:`RolloutBatch` for the layout. ``stop``:
+        a check run every CHECK_EVERY decode steps on the last ``stop.window`` tokens of each running row
+        (``stop(tails) -> [bool]``); rows it names finish there, so that the loop ends when every row has (the
+        caller cuts each row at its stop: a few tokens past it are generated, as they would be without a stop)."""
+        return self._run(prompts, sampling, stop=stop)
 
     @torch.no_grad()
     def generate_turns(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig,
@@ -146,8 +151,8 @@ class RolloutEngine:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         return self._run(prompts, sampling, respond, max_turns)
 
-    def _run(self, prompts, sampling: SamplingConfig, respond: Respond | None = None, max_turns: int = 1
-             ) -> RolloutBatch:
+    def _run(self, prompts, sampling: SamplingConfig, respond: Respond | None = None, max_turns: int = 1,
+             stop: StopCheck | None = None) -> RolloutBatch:
         started = time.perf_counter()
         prompts = self._check_prompts(prompts, sampling)
         n_rows = len(prompts) * sampling.n
@@ -173,7 +178,7 @@ class RolloutEngine:
             t1 = self._sync_time()
             stats.prefill_s = t1 - t0
             if respond is None:
-                stats.steps = self._decode(bucket, kind, sampling.max_new_tokens - 1, n_rows)
+                stats.steps = self._decode(bucket, kind, sampling.max_new_tokens - 1, n_rows, stop)
                 stats.decode_s = self._sync_time() - t1
             else:   # turns: rows continue as they end theirs, between stretches of decode steps (run_turns
                 # adds its decode, prefill and respond seconds to stats)
@@ -188,15 +193,34 @@ class RolloutEngine:
         stats.setup_s, stats.collect_s = t0 - started, time.perf_counter() - t2
         return batch
 
-    def _decode(self, bucket: int, kind: StepKind, max_steps: int, n_rows: int) -> int:
+    def _decode(self, bucket: int, kind: StepKind, max_steps: int, n_rows: int, stop: StopCheck | None = None
+                ) -> int:
         """Replay (or run) the decode step up to ``max_steps`` times, until rows [0, n_rows) have all finished
-        (read every CHECK_EVERY steps: the loop's only device-to-host reads); returns the steps run."""
+        (read every CHECK_EVERY steps, with ``stop``'s check: the loop's only device-to-host reads); returns the
+        steps run."""
         steps = 0
         while steps < max_steps:
             steps += self._replay(bucket, kind, min(CHECK_EVERY, max_steps - steps))
-            if steps % CHECK_EVERY == 0 and bool(self.state.finished[:n_rows].all()):
-                break
+            if steps % CHECK_EVERY == 0:
+                if stop is not None:
+                    self._stop_rows(stop, n_rows)
+                if bool(self.state.finished[:n_rows].all()):
+                    break
         return steps
+
+    def _stop_rows(self, stop: StopCheck, n_rows: int) -> None:
+        """Finish the running rows whose last ``stop.window`` completion tokens ``stop`` names."""
+        st = self.state.rows(n_rows)
+        running = (~st.finished).nonzero()[:, 0]                                          # [R]
+        if len(running) == 0:
+            return
+        ends = st.offset.index_select(0, running)                                        # [R] tokens so far
+        cols = ends[:, None] - stop.window + torch.arange(stop.window, device=self.device)[None]   # [R, W]
+        tails = st.out_tokens.index_select(0, running).gather(1, cols.clamp_min(0)).cpu()
+        keep = (cols >= 0).cpu()
+        hit = stop([t[k].tolist() for t, k in zip(tails, keep)])
+        rows = running[torch.tensor(list(hit), dtype=torch.bool, device=self.device)]
+        st.finished[rows] = True
 
     def _replay(self, bucket: int, kind: StepKind, steps: int) -> int:
         """``steps`` decode steps of rows [0, bucket), with no host read; returns ``steps``."""
