@@ -91,9 +91,9 @@ def test_the_recipe_passes_min_p_and_the_penalty_to_its_rollouts(tmp_path):
     seen = []
     real = RolloutEngine.generate
 
-    def spy(self, prompts, sampling):
+    def spy(self, prompts, sampling, *args, **kwargs):
         seen.append((sampling.min_p, sampling.repetition_penalty))
-        return real(self, prompts, sampling)
+        return real(self, prompts, sampling, *args, **kwargs)
 
     RolloutEngine.generate = spy
     try:
