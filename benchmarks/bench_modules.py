@@ -18,8 +18,8 @@ class MixedLengthGRPO(GRPOModule):
     kept token, the mask and the sampler's log-probs zeroed after it -- and training sees the spread of lengths a
     real run has. The rollout itself still generates every token (its time is that of full-length rows)."""
 
-    def rollout(self, prompts, sampling):
-        batch = super().rollout(prompts, sampling)
+    def rollout(self, prompts, sampling, stop=None):
+        batch = super().rollout(prompts, sampling, stop)
         t = batch.completion_ids.shape[1]
         gen = torch.Generator().manual_seed(1000 + self.global_step)
         ends = mixed_lengths(t, len(batch), gen).to(batch.completion_ids.device)

@@ -376,8 +376,11 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if self.tools or self.environment_factory is not None:
             ro, prompts, session, envs = self.tool_rollout(batch, n, greedy)
         else:
-            stop = StopStrings(self.tokenizer, self.cfg.stop_strings) if self.cfg.stop_strings else None
-            ro = self.rollout(self.prompt_ids(batch["prompt"]), self.sampling(n, greedy), stop)
+            ids, sampling = self.prompt_ids(batch["prompt"]), self.sampling(n, greedy)
+            if self.cfg.stop_strings:   # the engine stops rows early; a subclass's two-argument rollout still works
+                ro = self.rollout(ids, sampling, StopStrings(self.tokenizer, self.cfg.stop_strings))
+            else:
+                ro = self.rollout(ids, sampling)
         if self.cfg.stop_strings:
             ro.stopped = cut_at_stop_strings(ro.completion_ids, ro.completion_mask, self.tokenizer,
                                              self.cfg.stop_strings).to(ro.completion_mask.device)
