@@ -11,22 +11,21 @@ from segki_lightning.rollout.stops import StopStrings
 
 from .tiny_models import VOCAB, build_model
 
-STOPS = set(range(10, VOCAB, 9))   # ~1 token in 9: every row meets one within a few checks
-
 
 class TokenStop:
-    window = CHECK_EVERY
+    """Stops a row at any of ``stops`` (token ids)."""
 
-    def __init__(self):
-        self.calls = 0
+    window = CHECK_EVERY + 1   # the first check comes after the prefill's token and CHECK_EVERY steps
+
+    def __init__(self, stops):
+        self.stops, self.calls = set(stops), 0
 
     def __call__(self, tails):
         self.calls += 1
-        return [any(t in STOPS for t in tail) for tail in tails]
+        return [any(t in self.stops for t in tail) for tail in tails]
 
-
-def first_stop(ids: list[int]) -> int:
-    return next((i for i, t in enumerate(ids) if t in STOPS), len(ids))
+    def first(self, ids: list[int]) -> int:
+        return next((i for i, t in enumerate(ids) if t in self.stops), len(ids))
 
 
 def test_rows_stop_at_the_next_check_and_keep_their_tokens(tmp_path):
@@ -36,13 +35,13 @@ def test_rows_stop_at_the_next_check_and_keep_their_tokens(tmp_path):
     prompts = [torch.randint(2, VOCAB, (k,), generator=g).tolist() for k in (4, 9, 13)]
     cfg = SamplingConfig(max_new_tokens=200, temperature=1.0, n=3, seed=11)
     plain = engine.generate(prompts, cfg)
-    check = TokenStop()
+    check = TokenStop(plain.completion_ids[:, 20].tolist())   # every row meets a stop by its 21st token
     early = engine.generate(prompts, cfg, stop=check)
     assert check.calls >= 1 and early.stats.steps < plain.stats.steps
     for r in range(len(plain)):
         full = plain.completion_ids[r].tolist()
         got = early.completion_ids[r][early.completion_mask[r].bool()].tolist()
-        k = first_stop(full)
+        k = check.first(full)
         assert got == full[:len(got)], r                       # the same draws up to where it stopped
         assert k < len(got) <= k + CHECK_EVERY + 1, (r, k, len(got))   # stopped at the next check
 
@@ -54,7 +53,7 @@ def test_stop_strings_read_windows_of_text():
     check = StopStrings(tok, ["+3", "=1"])
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]   # noqa: E731
     assert check([ids("12+3"), ids("1+2"), ids("x=1y"), ids("")]) == [True, False, True, False]
-    assert check.window == CHECK_EVERY + 8
+    assert check.window == CHECK_EVERY + 1 + 8
 
 
 def test_a_grpo_rollout_with_stop_strings_stops_early_and_cuts_at_the_stop(tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-CHECK_TOKENS = 16   # new tokens between two checks: the engine's CHECK_EVERY
+CHECK_TOKENS = 16   # decode steps between two checks: the engine's CHECK_EVERY (the first check also sees the
+                    # token sampled from the prefill: CHECK_TOKENS + 1 new tokens)
 
 
 class StopCheck(Protocol):
@@ -21,7 +22,7 @@ class StopCheck(Protocol):
 
 class StopStrings:
     """Stops a row once its text holds one of ``stops`` (transformers' ``stop_strings``). The window covers the
-    tokens new since the last check and enough before them to hold the longest stop string (a character takes at
+    tokens new since the last check (one more at the first) and enough before them to hold the longest stop string (a character takes at
     most 4 byte-level tokens); a window's text is a piece of the row's text, so a row never stops where its whole
     text would not."""
 
@@ -29,7 +30,7 @@ class StopStrings:
         if not stops or any(not isinstance(s, str) or not s for s in stops):
             raise ValueError(f"stop strings must be non-empty strings, got {stops!r}")
         self.tokenizer, self.stops = tokenizer, list(stops)
-        self.window = new_tokens + 4 * max(map(len, self.stops))
+        self.window = new_tokens + 1 + 4 * max(map(len, self.stops))
 
     def __call__(self, tails: list[list[int]]) -> list[bool]:
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
