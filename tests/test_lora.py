@@ -17,7 +17,12 @@ def lora_names(state: dict) -> list[str]:
     return [k for k in state if "lora_" in k]
 
 
-def test_only_the_adapters_train_and_the_export_reloads_with_peft(tmp_path):
+HEAD_TOO = ("lora.target_modules=[q_proj,k_proj,v_proj,o_proj,in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,"
+            "gate_proj,up_proj,down_proj,lm_head]")   # the tied output head adapted too (what the toy task needs)
+
+
+@pytest.mark.parametrize("targets", [[], [HEAD_TOO]], ids=["all-linear", "and-lm_head"])
+def test_only_the_adapters_train_and_the_export_reloads_with_peft(tmp_path, targets):
     from peft import PeftModel
     from transformers import AutoTokenizer
 
@@ -25,7 +30,7 @@ def test_only_the_adapters_train_and_the_export_reloads_with_peft(tmp_path):
 
     run(small(tmp_path, "lora.r=4", "lora.lora_alpha=8", "algo.learning_rate=0.05", "trainer.max_steps=4",
               "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=-1", f"export_dir={tmp_path / 'adapter'}",
-              REWARD))
+              REWARD, *targets))
     first = torch.load(tmp_path / "checkpoints" / "step-000001.ckpt", weights_only=False)
     last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     changed = [k for k, v in last["state_dict"].items() if not torch.equal(first["state_dict"][k], v)]
