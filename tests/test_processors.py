@@ -51,11 +51,11 @@ def test_greedy_with_a_repetition_penalty_equals_generate(tmp_path):
     model = build_model("qwen3_5", tmp_path)
     engine = RolloutEngine(model, max_batch_size=8, max_seq_len=48, graph_capture=False, eos_token_id=[])
     prompts = random_prompts([3, 12, 6])
-    batch = engine.generate(prompts, SamplingConfig(max_new_tokens=10, temperature=0.0, repetition_penalty=1.8))
-    plain = engine.generate(prompts, SamplingConfig(max_new_tokens=10, temperature=0.0))
+    batch = engine.generate(prompts, SamplingConfig(max_new_tokens=30, temperature=0.0, repetition_penalty=1.8))
+    plain = engine.generate(prompts, SamplingConfig(max_new_tokens=30, temperature=0.0))
     assert not torch.equal(batch.completion_ids, plain.completion_ids), "the penalty changed nothing"
     for i, p in enumerate(prompts):
-        want = model.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, repetition_penalty=1.8,
+        want = model.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, repetition_penalty=1.8,
                               pad_token_id=0, eos_token_id=None)[0, len(p):]
         assert torch.equal(batch.completion_ids[i], want), i
 
