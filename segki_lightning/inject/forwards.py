@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
@@ -266,7 +265,7 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
     before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
     applied to x first, in the input projection, unless ``normed [B, 1, K]`` brings ``norm(x)`` (computed ahead);
     ``residual [B, 1, K]``: added in ``out_proj``; ``post_norm``: see :func:`_out_projection`."""
-    bsz, (h, pro) = x.shape[0], _projection_input(x, norm, normed)                 # h [B, K]
+    h, pro = _projection_input(x, norm, normed)                                    # h [B, K]
     w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
     tail = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
