@@ -121,9 +121,13 @@ def test_grpo_with_an_environment_that_owns_the_reward_runs(tmp_path):
     assert metrics["rollout/turns"] == 1.0 and metrics["tools/call_frequency"] == 0.0
 
 
-def test_tool_results_are_in_the_sequence_but_out_of_the_loss(tmp_path, monkeypatch):
-    """Every row gets two appended tokens after its first turn: the step trains, the loss mask is the model's
-    tokens only, and the rollout metrics count the appended tokens."""
+@pytest.mark.parametrize("knobs", [[], ["algo.loss_type=vespo"],
+                                   ["algo.importance_sampling_level=sequence", "algo.num_iterations=2"]],
+                         ids=["dapo", "vespo", "gspo-reused"])
+def test_tool_results_are_in_the_sequence_but_out_of_the_loss(tmp_path, monkeypatch, knobs):
+    """Every row gets two appended tokens after its first turn: the step trains (whatever the loss type, with
+    the sampler correction and a reused rollout), the loss mask is the model's tokens only, and the rollout
+    metrics count the appended tokens."""
     from segki_lightning.rl.grpo import GRPOModule
     from segki_lightning.train import run
 
@@ -142,11 +146,12 @@ def test_tool_results_are_in_the_sequence_but_out_of_the_loss(tmp_path, monkeypa
     # every character ends a turn, so that rows reach the tool loop on a random model
     monkeypatch.setattr(RolloutEngine, "_special_tokens", lambda self, eos, pad: (list(range(1, 60)), 0))
     metrics = run(small(tmp_path, "tools=[tests.test_tools.add]", "algo.max_completion_length=8",
-                        "trainer.max_steps=1"))
+                        "trainer.max_steps=2", *knobs))
     mask, ro = seen[0]
     assert ro.tool_mask is not None and (ro.tool_mask == 0).any()
     assert torch.equal(mask, ro.completion_mask * ro.tool_mask)
     assert metrics["rollout/observation_tokens"] > 0 and math.isfinite(metrics["train/loss"])
+    assert 0 <= metrics["rollout/respond_share"] < 1
 
 
 def test_ppo_refuses_tools_with_one_clear_line(tmp_path):

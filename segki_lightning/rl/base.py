@@ -439,6 +439,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             self.log("rollout/observation_tokens", float(st.observation_tokens) / len(s.batch), **kw)
             self.log("rollout/observations_cut", float(st.observations_cut), **kw)
             self.log("time/rollout_respond_s", st.respond_s, **kw)
+            self.log("rollout/respond_share", st.respond_s / max(s.rollout_s, 1e-9), **kw)   # tools' share
             for name, v in (s.tools or {}).items():
                 self.log(name, float(v), **kw)
         self.log("rollout/tokens_per_s", s.batch.stats.tokens / max(s.rollout_s, 1e-9), prog_bar=True,
