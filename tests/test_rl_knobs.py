@@ -311,3 +311,18 @@ def test_an_adaptive_entropy_run_logs_its_coefficient(tmp_path):
     assert coefs == pytest.approx([0.015, 0.02, 0.025])   # entropy far below the target: up by 0.005 a step
     ck = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert ck["adaptive_entropy"]["entropy_coef"] == pytest.approx(0.025)
+
+
+def test_generation_batch_size_is_checked_against_the_prompts_per_step(tmp_path):
+    """TRL's generation_batch_size (completions of one rollout): equal to prompts x num_generations x processes
+    runs; otherwise one error naming the setting that makes them agree, before any step."""
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    metrics = run(small(tmp_path / "ok", "algo.generation_batch_size=4", "trainer.max_steps=1"))   # 2 prompts x 2
+    assert math.isfinite(metrics["train/loss"])
+    with pytest.raises(ValueError, match=r"task.prompts_per_step=4"):
+        run(small(tmp_path / "bad", "algo.generation_batch_size=8", "trainer.max_steps=1"))
+    with pytest.raises(ValueError, match="positive multiple of num_generations"):
+        GRPOConfig(num_generations=4, generation_batch_size=6)

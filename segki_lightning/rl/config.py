@@ -126,6 +126,8 @@ class GRPOConfig(RLConfig):
     num_generations: int = 8
     num_iterations: int = 1
     steps_per_generation: int = 1
+    # TRL's: completions of one rollout over all processes; here a check that the prompts per step agree with it
+    generation_batch_size: int | None = None
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: float | None = None
@@ -164,6 +166,10 @@ class GRPOConfig(RLConfig):
         if self.num_iterations < 1 or self.steps_per_generation < 1:
             raise ValueError(f"num_iterations and steps_per_generation must be >= 1, got {self.num_iterations}, "
                              f"{self.steps_per_generation}")
+        if self.generation_batch_size is not None and (
+                self.generation_batch_size < 1 or self.generation_batch_size % self.num_generations):
+            raise ValueError(f"generation_batch_size must be a positive multiple of num_generations="
+                             f"{self.num_generations} (whole groups), got {self.generation_batch_size}")
         if self.importance_sampling_level not in IS_LEVELS:
             raise ValueError(f"importance_sampling_level must be one of {IS_LEVELS}, got "
                              f"{self.importance_sampling_level!r}")

@@ -49,6 +49,7 @@ class GRPOModule(RLModule):
 
     def prepare(self, batch: dict[str, list]) -> RolloutBuffer:
         cfg, g = self.cfg, self.cfg.num_generations
+        self.check_generation_batch(len(batch["prompt"]))
         s = self.rollout_and_score(batch, g)
         if cfg.dynamic_sampling:
             s = self.dynamically_sampled(s, len(batch["prompt"]))
@@ -70,6 +71,21 @@ class GRPOModule(RLModule):
         gen = torch.Generator().manual_seed(cfg.seed + self.global_step)
         steps = schedule(len(ro), cfg.steps_per_generation, cfg.num_iterations, False, gen, ro.completion_ids.device)
         return RolloutBuffer(s, data, steps)
+
+    def check_generation_batch(self, prompts: int) -> None:
+        """TRL's ``generation_batch_size`` (completions of one rollout, all processes) against what the loader
+        gives: ``prompts`` a step on each of the processes, ``num_generations`` each; one error naming the keys,
+        before any step."""
+        want, world = self.cfg.generation_batch_size, self.trainer.world_size if self._trainer is not None else 1
+        have = prompts * self.cfg.num_generations * world
+        if want is None or want == have:
+            return
+        per_rank = want / (self.cfg.num_generations * world)
+        fix = (f"task.prompts_per_step={int(per_rank)}" if per_rank.is_integer() else
+               f"a generation_batch_size divisible by num_generations x processes = {self.cfg.num_generations * world}")
+        raise ValueError(f"algo.generation_batch_size={want} completions a rollout, but the loader gives {prompts} "
+                         f"prompts a step x num_generations={self.cfg.num_generations} x {world} process(es) = {have}: "
+                         f"set {fix}, or leave generation_batch_size null")
 
     def dynamically_sampled(self, first, want: int):
         """DAPO's dynamic sampling (:mod:`.dynamic`): more rollouts of refill prompts until ``want`` groups have
