@@ -54,6 +54,7 @@ class TaskConf:
     system_prompt: str | None = None   # given: text prompts become [system, user] conversations (chat template)
     conversational: bool = False    # text prompts become [user] conversations (the policy's chat template renders them)
     size: int = 4096
+    digits: int = 1                 # synthetic task: digits of each operand (1: a + b <= 9)
     prompts_per_step: int = 8
     eval_path: str | None = None    # held-out prompts for validation (a file, folder or Hub id, its eval_split)
     eval_split: str | None = None   # validation split of eval_path, else of path (e.g. test)
@@ -100,6 +101,7 @@ class Recipe:
     rewards: list[Any] = field(default_factory=list)   # [{_target_: ..., weight: ...}]
     tools: list[Any] = field(default_factory=list)     # TRL's tools: dotted paths of functions (multi-turn rollouts)
     environment_factory: str | None = None   # TRL's: dotted path of a class/callable; one environment per rollout
+    tool_call_parser: str | None = None      # dotted path of text -> [{"name", "arguments"}]; null: <tool_call> JSON
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     ckpt_path: str | None = None    # resume from this Lightning checkpoint
     export_dir: str | None = None   # save_pretrained the trained policy here

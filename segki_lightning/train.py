@@ -81,10 +81,10 @@ def build_rewards(cfg) -> list:
     return out
 
 
-def build_tools(cfg) -> tuple[list, Any]:
+def build_tools(cfg) -> tuple[list, Any, Any]:
     """TRL's ``tools`` (functions: dotted paths or Hydra nodes) and ``environment_factory`` (a dotted path of a class
-    or function that builds one environment) from the recipe; one error naming the key for a path that does not
-    import."""
+    or function that builds one environment), and ``tool_call_parser`` (a dotted path), from the recipe; one error
+    naming the key for a path that does not import."""
     from hydra.utils import get_method, get_object, instantiate
 
     tools = []
@@ -104,7 +104,14 @@ def build_tools(cfg) -> tuple[list, Any]:
                              "of a class or function that returns one environment") from None
         if not callable(factory):
             raise ValueError(f"environment_factory {cfg.environment_factory!r} is not callable")
-    return tools, factory or None
+    parser = cfg.get("tool_call_parser")
+    if parser:
+        try:
+            parser = get_method(parser)
+        except Exception as err:
+            raise ValueError(f"tool_call_parser {parser!r} could not be imported ({err}): give the dotted path of "
+                             "a function text -> list of calls") from None
+    return tools, factory or None, parser or None
 
 
 def prompts(cfg, path: str | None, size: int, seed: int, split: str | None = None, key: str = "task.path"):
@@ -113,7 +120,7 @@ def prompts(cfg, path: str | None, size: int, seed: int, split: str | None = Non
     from .rl.task import PromptRows, SyntheticAddition
 
     if not path:
-        return SyntheticAddition(size, seed)
+        return SyntheticAddition(size, seed, cfg.task.get("digits", 1))
     t = cfg.task
     return PromptRows(path, t.prompt_column, t.config, split or t.split, t.revision, t.columns, t.system_prompt,
                       t.conversational, key)
@@ -223,11 +230,12 @@ def run(cfg) -> dict:
     module_cls = module_class(cfg.module, module_cls)
     algo = build_algo(cfg, conf_cls)   # settings checked before the model loads
     rollout_kw = rollout_settings(cfg, algo)
-    tools, environment_factory = build_tools(cfg)   # imports checked before the model loads
+    tools, environment_factory, parser = build_tools(cfg)   # imports checked before the model loads
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
     rewards = build_rewards(cfg)
-    extra = dict(tools=tools, environment_factory=environment_factory) if tools or environment_factory else {}
+    extra = (dict(tools=tools, environment_factory=environment_factory, tool_call_parser=parser)
+             if tools or environment_factory else {})
     module = module_cls(policy, tokenizer, rewards, algo, **extra)
     root = cfg.trainer.default_root_dir
     if cfg.export_dir:

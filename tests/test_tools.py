@@ -174,3 +174,28 @@ def test_the_readme_environment_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     metrics = run(small(tmp_path, "environment_factory=readme_env.Guess", "trainer.max_steps=1"))
     assert "train/rewards/Guess" in metrics and math.isfinite(metrics["train/loss"])
+
+
+def test_the_toy_tool_recipe_pieces():
+    from segki_lightning.rl.toy_tools import (Calculator, answer_digits, final_answer, last_turn,
+                                              question_mark_calls, used_tool)
+
+    assert question_mark_calls("12?") == [{"name": "calculate", "arguments": {}}] and question_mark_calls("12") == []
+    env = Calculator()
+    env.reset(prompt="23+45=", answer="68")
+    assert env.calculate() == "68"
+    texts = ["?tool: 68 assistant: 68", "?tool: 68 assistant: 61", "68"]
+    assert [last_turn(t) for t in texts] == [" 68", " 61", "68"]
+    assert final_answer(None, texts, ["68"] * 3) == [1.0, 0.0, 1.0]
+    assert answer_digits(None, texts, ["68"] * 3) == [1.0, 0.5, 1.0]
+    assert used_tool(None, texts) == [1.0, 1.0, 0.0]
+
+
+def test_the_tool_recipe_runs_its_calculator(tmp_path):
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    metrics = run(small(tmp_path, "trainer.max_steps=2", "algo.max_completion_length=24", name="grpo_tools"))
+    assert math.isfinite(metrics["train/loss"]) and "tools/call_frequency" in metrics
+    assert "train/rewards/used_tool" in metrics and metrics["tools/failure_frequency"] == 0.0

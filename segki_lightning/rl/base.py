@@ -31,7 +31,8 @@ from .rewards import RewardFn, WeightedReward, as_rewards, score
 from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
 from .task import check_batch, completion_token_ids, cut_at_stop_strings, decode
-from .tools import ToolSession, check_environment, environment_reward, environment_tools, with_text
+from .tools import (ToolSession, check_environment, environment_reward, environment_tools, parse_tool_calls,
+                    with_text)
 from .update import LossFn, accumulate, micro_batches
 
 
@@ -57,7 +58,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     """Base of the RL LightningModules: ``self.policy`` trained in place, rollouts from the same weights."""
 
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[RewardFn | WeightedReward], cfg: Any,
-                 tools: Sequence[Callable] = (), environment_factory: Callable[[], Any] | None = None):
+                 tools: Sequence[Callable] = (), environment_factory: Callable[[], Any] | None = None,
+                 tool_call_parser: Callable[[str], list[dict]] | None = None):
         super().__init__()
         self.__dict__["peft_model"] = policy if is_peft(policy) else None   # kept out of the module tree
         if self.peft_model is not None:   # compute on the transformers model inside (its layers carry the adapters)
@@ -65,6 +67,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
         # TRL's tools and environment_factory (:mod:`.tools`): multi-turn rollouts when either is given
         self.tools, self.environment_factory = list(tools), environment_factory
+        self.tool_call_parser = tool_call_parser or parse_tool_calls
         self.chat_tools, env_reward = self.tools, None
         if environment_factory is not None:
             probe = environment_factory()
@@ -418,7 +421,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                 else:
                     prompt_i = prompt
                 prompts.append(prompt_i)
-        session = ToolSession(self.tokenizer, self.tools, envs, len(prompts))
+        session = ToolSession(self.tokenizer, self.tools, envs, len(prompts), self.tool_call_parser)
         rounds = self.cfg.max_tool_calling_iterations
         max_turns = 1 + (rounds if rounds is not None else self.cfg.max_completion_length)
         ro = self.rollout_turns(self.prompt_ids(prompts), self.sampling(1, greedy), session.respond, max_turns)

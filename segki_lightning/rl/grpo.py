@@ -36,8 +36,10 @@ class GRPOModule(RLModule):
 
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[WeightedReward],
                  config: GRPOConfig | None = None, tools: Sequence[Callable] = (),
-                 environment_factory: Callable[[], Any] | None = None):
-        super().__init__(policy, tokenizer, rewards, config or GRPOConfig(), tools, environment_factory)
+                 environment_factory: Callable[[], Any] | None = None,
+                 tool_call_parser: Callable[[str], list[dict]] | None = None):
+        super().__init__(policy, tokenizer, rewards, config or GRPOConfig(), tools, environment_factory,
+                         tool_call_parser)
         if self.cfg.beta > 0:
             self.keep_reference()
         if self.cfg.sync_ref_model and self.peft_model is not None:

@@ -31,7 +31,7 @@ class PPOModule(RLModule):
 
     def __init__(self, policy: nn.Module, tokenizer: Any, rewards: list[WeightedReward],
                  config: PPOConfig | None = None, tools: Sequence[Callable] = (),
-                 environment_factory: Callable[[], Any] | None = None):
+                 environment_factory: Callable[[], Any] | None = None, tool_call_parser=None):
         if tools or environment_factory is not None:   # GAE over a sequence with gaps is not written yet
             raise ValueError("tools and environment_factory run with algorithm=grpo; PPO rolls out single turns")
         super().__init__(policy, tokenizer, rewards, config or PPOConfig())

@@ -33,13 +33,20 @@ def char_tokenizer():
 
 
 class SyntheticAddition(Dataset):
-    """``"a+b="`` with single digits and ``a + b <= 9``; the ``answer`` column is the sum. Verifiable by
-    :class:`~segki_lightning.rl.rewards.ExactMatch`; deterministic for a seed."""
+    """``"a+b="`` with single digits and ``a + b <= 9`` (``digits=1``), or operands of ``digits`` digits (sums the
+    tiny model cannot do in its head: the tool-use recipe's task); the ``answer`` column is the sum. Verifiable
+    by :class:`~segki_lightning.rl.rewards.ExactMatch`; deterministic for a seed."""
 
-    def __init__(self, size: int = 4096, seed: int = 0):
+    def __init__(self, size: int = 4096, seed: int = 0, digits: int = 1):
+        if digits < 1:
+            raise ValueError(f"task.digits must be >= 1, got {digits}")
         rng = random.Random(seed)
-        pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
-        self.rows = [pairs[rng.randrange(len(pairs))] for _ in range(size)]
+        if digits == 1:
+            pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+            self.rows = [pairs[rng.randrange(len(pairs))] for _ in range(size)]
+        else:
+            lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+            self.rows = [(rng.randint(lo, hi), rng.randint(lo, hi)) for _ in range(size)]
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -76,10 +76,12 @@ def with_text(prompt: Any, text: str | None) -> Any:
 
 class ToolSession:
     """The tool loop of one rollout batch of ``n_rows`` rows. ``tools``: functions every row may call;
-    ``environments``: one per row (or None), whose methods are that row's tools besides."""
+    ``environments``: one per row (or None), whose methods are that row's tools besides; ``parser``: a turn's
+    text -> its calls (default: the Hermes/Qwen ``<tool_call>`` JSON)."""
 
-    def __init__(self, tokenizer, tools: Sequence[Callable], environments: Sequence[Any] | None, n_rows: int):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, tools: Sequence[Callable], environments: Sequence[Any] | None, n_rows: int,
+                 parser: Callable[[str], list[dict[str, Any]]] = parse_tool_calls):
+        self.tokenizer, self.parser = tokenizer, parser
         shared = {fn.__name__: fn for fn in tools}
         self.tools = [{**shared, **(environment_tools(environments[r]) if environments else {})}
                       for r in range(n_rows)]
@@ -93,7 +95,7 @@ class ToolSession:
         out = []
         for r, ids in zip(rows, completions):
             text = self.tokenizer.decode(ids[self.turn_start[r]:], skip_special_tokens=True)
-            calls = parse_tool_calls(text)
+            calls = self.parser(text)
             turn = {"role": "assistant", "content": text}
             if calls:
                 turn["tool_calls"] = [{"type": "function", "function": {"name": c["name"] or "unknown",
