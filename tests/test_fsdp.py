@@ -68,36 +68,32 @@ def test_fsdp_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
         assert torch.equal(got[key], value), key
 
 
-def test_fsdp_with_validation_checkpointing_micro_batches_reuse_a_reference_and_freed_weights(tmp_path):
-    """The rest of the recipe under FSDP: validation rollouts, activation checkpointing of the injected layers,
-    micro-batches, a reused rollout, the KL reference (sharded like the policy: each rank's checkpoint holds its
-    own piece of every reference weight) and rollout.keep_gathered=false."""
-    run = recipe(tmp_path / "all", "trainer.strategy=fsdp", "trainer.val_check_interval=2",
+def test_fsdp_bf16_with_validation_checkpointing_micro_batches_reuse_a_reference_and_freed_weights(tmp_path):
+    """The rest of the recipe under FSDP, in one run (each 2-process run costs ~10 s): a bf16 policy with
+    bf16-true -- the run switches to 32-true (and says so), the shards train in fp32 while the layers and the
+    rollout compute in bf16, the export is bf16 (FSDP's mixed precision, on CPU too) --, validation rollouts,
+    activation checkpointing of the injected layers, micro-batches, a reused rollout, the KL reference (sharded like
+    the policy: each rank's checkpoint holds its own piece of every reference weight) and
+    rollout.keep_gathered=false."""
+    run = recipe(tmp_path / "all", "trainer.strategy=fsdp", "model.dtype=bfloat16", "trainer.precision=bf16-true",
+                 f"export_dir={tmp_path / 'all' / 'export'}", "trainer.val_check_interval=2",
                  "model.gradient_checkpointing=true", "algo.micro_batch_size=1", "algo.num_iterations=2",
                  "algo.beta=0.04", "rollout.keep_gathered=false")
+    assert "precision bf16-true -> 32-true" in (run / "train.log").read_text()
+    assert {t.dtype for t in exported(run).values()} == {torch.bfloat16}
     rows = list(csv.DictReader(open(run / "logs" / "metrics.csv")))
     assert any(r.get("val/reward") for r in rows) and all(r.get("train/kl") for r in rows if r.get("train/loss"))
     assert json.loads((run / "logs" / "rank_consistency.json").read_text())["identical"]
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     saved = FileSystemReader(run / "checkpoints" / "last.ckpt").read_metadata().state_dict_metadata
     reference = {k: v for k, v in saved.items() if ".reference." in f".{k}" and len(getattr(v, "size", ())) == 2}
     assert reference and all(len(v.chunks) == 2 for v in reference.values()), \
         {k: len(v.chunks) for k, v in reference.items()}
-
-
-def test_fsdp_with_a_bf16_policy_keeps_fp32_shards_and_exports_bf16(tmp_path):
-    """A bf16 policy with bf16-true: the run switches to 32-true (and says so), the shards train in fp32 while the
-    layers and the rollout compute in bf16, and the export is in bf16 (FSDP's mixed precision, on CPU too)."""
-    run = recipe(tmp_path / "bf16", "trainer.strategy=fsdp", "model.dtype=bfloat16", "trainer.precision=bf16-true",
-                 f"export_dir={tmp_path / 'bf16' / 'export'}")
-    assert "precision bf16-true -> 32-true" in (run / "train.log").read_text()
-    assert {t.dtype for t in exported(run).values()} == {torch.bfloat16}
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     dcp_to_torch_save(run / "checkpoints" / "last.ckpt", tmp_path / "full.pt")   # the sharded checkpoint, whole
-    saved = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
-    assert {v.dtype for k, v in saved.items() if k.startswith("policy.")} == {torch.float32}   # the masters
+    whole = torch.load(tmp_path / "full.pt", weights_only=False)["state_dict"]
+    assert {v.dtype for k, v in whole.items() if k.startswith("policy.")} == {torch.float32}   # the masters
 
 
 @pytest.fixture
