@@ -29,7 +29,7 @@ def process_logits(logits: Tensor, history: Tensor | None, penalty: Tensor, min_
         # p_j >= min_p * p_max  <=>  x_j / T >= max / T + log(min_p)  <=>  x_j >= max + T log(min_p)
         t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         floor = x.amax(-1, keepdim=True).float() + (t * torch.log(min_p))[:, None]        # [B, 1]; log 0 = -inf
-        x = x.masked_fill(x < floor, float("-inf"))
+        x.masked_fill_(x < floor, float("-inf"))                                           # x is our copy
     return x
 
 
@@ -39,4 +39,5 @@ def raw_logprob(logits: Tensor, tokens: Tensor, temperature: Tensor) -> Tensor:
     like when processors change the sampling distribution (vLLM's raw log-probs likewise)."""
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     chosen = logits.gather(1, tokens[:, None])[:, 0].float() / t                          # [B]
-    return chosen - torch.logsumexp(logits.float() / t[:, None], dim=-1)
+    # a half logit / an fp32 T is computed in fp32 (exact widening, then the division): no fp32 copy first
+    return chosen - torch.logsumexp(logits / t[:, None], dim=-1)
