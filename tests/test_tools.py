@@ -199,3 +199,22 @@ def test_the_tool_recipe_runs_its_calculator(tmp_path):
     metrics = run(small(tmp_path, "trainer.max_steps=2", "algo.max_completion_length=24", name="grpo_tools"))
     assert math.isfinite(metrics["train/loss"]) and "tools/call_frequency" in metrics
     assert "train/rewards/used_tool" in metrics and metrics["tools/failure_frequency"] == 0.0
+
+
+class CountedGuess(Guess):
+    built = 0
+
+    def __init__(self):
+        CountedGuess.built += 1
+
+
+def test_environments_are_built_once_and_reset_for_every_rollout(tmp_path, monkeypatch):
+    """TRL's contract: a pool of environments, one per row of a rollout, built once and reset each time."""
+    from segki_lightning.train import run
+
+    resets = []
+    monkeypatch.setattr(CountedGuess, "reset", lambda self, **row: resets.append(id(self)) or Guess.reset(self, **row))
+    CountedGuess.built = 0
+    run(small(tmp_path, "environment_factory=tests.test_tools.CountedGuess", "trainer.max_steps=3"))
+    rows = 2 * 2   # task.prompts_per_step x algo.num_generations
+    assert CountedGuess.built == rows and len(resets) >= 3 * rows and len(set(resets)) == rows

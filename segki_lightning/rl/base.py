@@ -69,9 +69,11 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.tools, self.environment_factory = list(tools), environment_factory
         self.tool_call_parser = tool_call_parser or parse_tool_calls
         self.chat_tools, env_reward = self.tools, None
+        self._environments: list = []   # built once, reset for every rollout (TRL's pool); grows to the rows needed
         if environment_factory is not None:
             probe = environment_factory()
             check_environment(probe)
+            self._environments.append(probe)
             self.chat_tools = self.tools + list(environment_tools(probe).values())
             if callable(getattr(probe, "get_reward", None)):
                 env_reward = WeightedReward(environment_reward, 1.0, type(probe).__name__)
@@ -404,23 +406,26 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                                               "time/rollout_tools_s": session.tool_s}
         return Scored(ro, prompts, texts, rewards, means, rollout_s, tools)
 
+    def environment_pool(self, rows: int) -> list:
+        """``rows`` environments: those built for earlier rollouts, and new ones from the factory past them
+        (TRL's contract: construct once, reset for every rollout)."""
+        while len(self._environments) < rows:
+            env = self.environment_factory()
+            check_environment(env)
+            self._environments.append(env)
+        return self._environments[:rows]
+
     def tool_rollout(self, batch: dict[str, list], n: int, greedy: bool):
         """A multi-turn rollout with TRL's tools / environment_factory: one environment per row, reset with the
         row's columns (text it returns joins the prompt's last user message), then turns of the engine with a
         :class:`~segki_lightning.rl.tools.ToolSession` between them. Rows are prompt-major as in a single-turn
         rollout (``n`` per prompt); returns ``(batch, prompts [N], session, environments [N] or None)``."""
-        prompts, envs = [], None if self.environment_factory is None else []
+        envs = None if self.environment_factory is None else self.environment_pool(len(batch["prompt"]) * n)
+        prompts = []
         for i, prompt in enumerate(batch["prompt"]):
             row = {k: vals[i] for k, vals in batch.items()}
-            for _ in range(n):
-                if envs is not None:
-                    env = self.environment_factory()
-                    check_environment(env)
-                    envs.append(env)
-                    prompt_i = with_text(prompt, env.reset(**row))
-                else:
-                    prompt_i = prompt
-                prompts.append(prompt_i)
+            for k in range(n):
+                prompts.append(prompt if envs is None else with_text(prompt, envs[i * n + k].reset(**row)))
         session = ToolSession(self.tokenizer, self.tools, envs, len(prompts), self.tool_call_parser)
         rounds = self.cfg.max_tool_calling_iterations
         max_turns = 1 + (rounds if rounds is not None else self.cfg.max_completion_length)
