@@ -85,7 +85,7 @@ def build_tools(cfg) -> tuple[list, Any, Any]:
     """TRL's ``tools`` (functions: dotted paths or Hydra nodes) and ``environment_factory`` (a dotted path of a class
     or function that builds one environment), and ``tool_call_parser`` (a dotted path), from the recipe; one error
     naming the key for a path that does not import."""
-    from hydra.utils import get_method, get_object, instantiate
+    from hydra.utils import get_method, instantiate
 
     tools = []
     for i, node in enumerate(cfg.get("tools") or []):
@@ -95,23 +95,24 @@ def build_tools(cfg) -> tuple[list, Any, Any]:
             raise ValueError(f"tools[{i}] could not be imported ({err}): give the dotted path of a function "
                              "(my_module.my_tool)") from None
         tools.append(fn)
-    factory = cfg.get("environment_factory")
-    if factory:
-        try:
-            factory = get_object(factory)
-        except Exception as err:
-            raise ValueError(f"environment_factory {factory!r} could not be imported ({err}): give the dotted path "
-                             "of a class or function that returns one environment") from None
-        if not callable(factory):
-            raise ValueError(f"environment_factory {cfg.environment_factory!r} is not callable")
-    parser = cfg.get("tool_call_parser")
-    if parser:
-        try:
-            parser = get_method(parser)
-        except Exception as err:
-            raise ValueError(f"tool_call_parser {parser!r} could not be imported ({err}): give the dotted path of "
-                             "a function text -> list of calls") from None
-    return tools, factory or None, parser or None
+    factory = _dotted(cfg, "environment_factory", "a class or function that returns one environment")
+    return tools, factory, _dotted(cfg, "tool_call_parser", "a function text -> list of calls")
+
+
+def _dotted(cfg, key: str, what: str):
+    """The callable at ``cfg.<key>``'s dotted path (None when unset), or one error naming the key."""
+    from hydra.utils import get_object
+
+    path = cfg.get(key)
+    if not path:
+        return None
+    try:
+        obj = get_object(path)
+    except Exception as err:
+        raise ValueError(f"{key} {path!r} could not be imported ({err}): give the dotted path of {what}") from None
+    if not callable(obj):
+        raise ValueError(f"{key} {path!r} is not callable: give the dotted path of {what}")
+    return obj
 
 
 def prompts(cfg, path: str | None, size: int, seed: int, split: str | None = None, key: str = "task.path"):

@@ -38,22 +38,21 @@ class SegKIRolloutMixin:
         module's training mode is restored afterwards. A prompt is a string, a conversation (list of
         ``{"role", "content"}`` messages, rendered with the chat template) or a list of token ids. ``stop``: the
         engine's early stop (:mod:`~segki_lightning.rollout.stops`)."""
-        ids = [self._prompt_ids(p) for p in prompts]
-        engine = self._rollout_engine()
-        cb = self.__dict__.get("_segki_callback")
-        with cb.full_weights() if cb is not None else contextlib.nullcontext():   # FSDP: gathered once here
-            batch = engine.generate(ids, sampling, stop)  # generate() switches to eval/no-grad and back
-        if cb is not None:
-            cb.record(batch.stats.tokens)
-        return batch
+        # generate() switches to eval/no-grad and back
+        return self._on_engine(prompts, lambda engine, ids: engine.generate(ids, sampling, stop))
 
     def rollout_turns(self, prompts: Sequence, sampling: SamplingConfig, respond, max_turns: int) -> RolloutBatch:
         """Multi-turn :meth:`rollout`: :meth:`RolloutEngine.generate_turns` with ``respond`` between turns."""
+        return self._on_engine(prompts, lambda engine, ids: engine.generate_turns(ids, sampling, respond, max_turns))
+
+    def _on_engine(self, prompts: Sequence, call) -> RolloutBatch:
+        """``call(engine, prompt ids)`` on the rollout engine, with the callback's full weights (FSDP: gathered
+        once here) and its token count."""
         ids = [self._prompt_ids(p) for p in prompts]
         engine = self._rollout_engine()
         cb = self.__dict__.get("_segki_callback")
         with cb.full_weights() if cb is not None else contextlib.nullcontext():
-            batch = engine.generate_turns(ids, sampling, respond, max_turns)
+            batch = call(engine, ids)
         if cb is not None:
             cb.record(batch.stats.tokens)
         return batch

@@ -29,7 +29,7 @@ from .graphs import capture, parameter_ptrs, pow2_bucket
 from .prefill import Prefiller
 from .stops import CHECK_TOKENS, StopCheck
 from .turns import Respond, StepKind, run_turns
-from .processors import process_logits, raw_logprob
+from .processors import history_rows, process_logits, raw_logprob
 from .rope import RopeTable, rotary_module
 
 log = logging.getLogger("segki_lightning")
@@ -174,7 +174,7 @@ class RolloutEngine:
             stats = RolloutStats(path=self.path, turns=1)
             state, cache = self._reset(bucket, n_rows, sampling)
             t0 = self._sync_time()
-            self._prefill(prompts, sampling, state.rows(n_rows), cache, ptrs)
+            self._prefill(prompts, groups, sampling, state.rows(n_rows), cache, ptrs)
             t1 = self._sync_time()
             stats.prefill_s = t1 - t0
             if respond is None:
@@ -186,10 +186,7 @@ class RolloutEngine:
             t2 = time.perf_counter()
         finally:
             self.model.train(was_training)
-        batch = self._collect(prompts, sampling, n_rows, stats)
-        batch.tool_mask, batch.turns = tool_mask, turns
-        if tool_mask is not None:   # the model's tokens only
-            stats.tokens = int((batch.completion_mask * tool_mask).sum())
+        batch = self._collect(prompts, sampling, n_rows, stats, tool_mask, turns)
         stats.setup_s, stats.collect_s = t0 - started, time.perf_counter() - t2
         return batch
 
@@ -347,19 +344,16 @@ class RolloutEngine:
             groups[-1].append(i)
         return groups
 
-    def _prefill(self, prompts: list[list[int]], sampling: SamplingConfig, st: _DecodeState,
-                 cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
-        """Prefill the prompts, copy each prompt's state into its n rows, then sample every row's first token
-        from its prompt's last logits in one call."""
+    def _prefill(self, prompts: list[list[int]], groups: list[list[int]], sampling: SamplingConfig,
+                 st: _DecodeState, cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
+        """Prefill the prompts (in ``groups``), copy each prompt's state into its n rows, then sample every row's
+        first token from its prompt's last logits in one call."""
         n = sampling.n
         first = self._prefill_rows(prompts, [range(i * n, (i + 1) * n) for i in range(len(prompts))],
-                                  len(prompts) * n, cache, ptrs)                        # [N, V]
+                                   len(prompts) * n, cache, ptrs, groups)               # [N, V]
         procs = sampling.processors
-        if procs[0]:   # each row's history starts as its prompt; unused columns repeat its first token
-            hist = torch.tensor([p[0] for p in prompts]).repeat_interleave(n)[:, None].repeat(1, self.max_seq_len)
-            for i, p in enumerate(prompts):
-                hist[i * n:(i + 1) * n, :len(p)] = torch.tensor(p)                         # [N, S]
-            st.history.copy_(hist.to(self.device))
+        if procs[0]:   # each row's history starts as its prompt
+            st.history.copy_(history_rows([p for p in prompts for _ in range(n)], self.max_seq_len, self.device))
             st.history_base.copy_(torch.tensor([len(p) for p in prompts]).repeat_interleave(n).to(self.device))
         tok, lp = self._sample(first, st, procs)
         self._record(st, tok, lp)
@@ -368,9 +362,10 @@ class RolloutEngine:
     def _prefill_rows(self, seqs: list[list[int]], targets: Sequence[Sequence[int]], n_rows: int,
                       cache: StaticHybridCache, ptrs: tuple[int, ...], groups: list[list[int]] | None = None
                       ) -> Tensor:
-        """Prefill ``seqs`` in groups (:class:`~segki_lightning.rollout.prefill.Prefiller`; sorted by length so
-        padding stays small; or ``groups`` of indices) and load sequence i's state into each cache row of ``targets[i]``, at positions
-        ``[0, len(seqs[i]))``; returns the last logits ``[n_rows, V]`` by row (rows not targeted: undefined)."""
+        """Prefill ``seqs`` in ``groups`` of indices (default: :meth:`_prefill_groups`) with the
+        :class:`~segki_lightning.rollout.prefill.Prefiller` and load sequence i's state into each cache row of
+        ``targets[i]``, at positions ``[0, len(seqs[i]))``; returns the last logits ``[n_rows, V]`` by row (rows
+        not targeted: undefined)."""
         first = None
         for group in groups or self._prefill_groups(seqs):
             out = self.prefiller([seqs[i] for i in group], ptrs)
@@ -439,16 +434,18 @@ class RolloutEngine:
         log.info("segki: captured decode graph for batch bucket %d in %.2f s", bucket, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------------ output
-    def _collect(self, prompts, sampling: SamplingConfig, n_rows: int, stats: RolloutStats) -> RolloutBatch:
+    def _collect(self, prompts, sampling: SamplingConfig, n_rows: int, stats: RolloutStats,
+                 tool_mask: Tensor | None = None, turns: Tensor | None = None) -> RolloutBatch:
         t, n = sampling.max_new_tokens, sampling.n
         st = self.state.rows(n_rows)
         prompt_ids, prompt_mask = (t.repeat_interleave(n, dim=0) for t in left_pad(prompts, self.pad))  # [N, P]
-        mask = st.out_mask[:, :t].clone()
-        stats.tokens = int(mask.sum())
-        return RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
-                            completion_ids=st.out_tokens[:, :t].clone(), completion_mask=mask,
-                            logprobs=st.out_logprobs[:, :t].clone(),
-                            prompt_index=torch.arange(n_rows, device=self.device) // n, stats=stats)
+        batch = RolloutBatch(prompt_ids=prompt_ids.to(self.device), prompt_mask=prompt_mask.to(self.device),
+                             completion_ids=st.out_tokens[:, :t].clone(), completion_mask=st.out_mask[:, :t].clone(),
+                             logprobs=st.out_logprobs[:, :t].clone(),
+                             prompt_index=torch.arange(n_rows, device=self.device) // n, stats=stats,
+                             tool_mask=tool_mask, turns=turns)
+        stats.tokens = int(batch.model_mask.sum())   # the model's tokens (appended ones not counted)
+        return batch
 
     def _sync_time(self) -> float:
         if self.device.type == "cuda":

@@ -33,6 +33,12 @@ def process_logits(logits: Tensor, history: Tensor | None, penalty: Tensor, min_
     return x
 
 
+def history_rows(seqs: list[list[int]], width: int, device) -> Tensor:
+    """The penalty's ``history`` for rows holding ``seqs``: ``[len(seqs), width]`` token ids, each sequence then
+    its first token repeated (already listed: a repeat changes nothing)."""
+    return torch.tensor([q + q[:1] * (width - len(q)) for q in seqs], device=device)
+
+
 def raw_logprob(logits: Tensor, tokens: Tensor, temperature: Tensor) -> Tensor:
     """``[B]`` ``log_softmax(logits / T)`` of the chosen tokens, from the model's own logits (T = 1 for greedy
     rows): what the trainer's log-prob pass computes, so that the sampler/trainer correction compares like with

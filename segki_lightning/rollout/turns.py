@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .processors import history_rows
+
 if TYPE_CHECKING:
     from .batch import RolloutStats
     from .config import SamplingConfig
@@ -133,8 +135,7 @@ def continue_rows(engine: RolloutEngine, n_rows: int, going: list[tuple[int, int
     sub.offset.copy_(start)
     procs = sampling.processors
     if procs[0]:   # the penalty's history: the whole sequence, appended tokens too (transformers counts every id)
-        width = sub.history.shape[1]
-        sub.history.copy_(torch.tensor([q + q[:1] * (width - len(q)) for q in seqs], device=dev))   # [R, S]
+        sub.history.copy_(history_rows(seqs, sub.history.shape[1], dev))                      # [R, S]
     tok, lp = engine._sample(first.index_select(0, index).contiguous(), sub, procs)             # [R]
     st.out_tokens[index, start] = tok
     st.out_logprobs[index, start] = lp
