@@ -7,7 +7,8 @@ Random weights never emit EOS on cue, so the benchmark's engine forces one at ea
 (``turn_tokens`` model tokens a turn, then ``observation_tokens`` appended by ``respond``): every row ends its
 turns at the same steps, as a batch of fixed-length turns would. The single-turn run generates
 ``turns * turn_tokens + (turns - 1) * observation_tokens`` tokens a row with no EOS. Throughput is the model's
-tokens over the wall time of the whole call (prefills, decode, the re-prefills between turns and ``respond``).
+tokens over the wall time of the whole call (the prompts' prefill, the decode steps that also feed the
+observations, and ``respond``).
 """
 from __future__ import annotations
 

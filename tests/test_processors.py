@@ -1,5 +1,5 @@
-"""Repetition penalty and min-p in the decode loop (rollout/processors.py): the processed logits equal
-transformers' own processors on fresh random logits; greedy rollouts with a penalty equal transformers' generate
+"""Repetition penalty and min-p in the decode loop (rollout/processors.py, ops.process_logits): the processed
+logits equal transformers' own processors on fresh random logits, the raw log-sum-exp is torch's; greedy rollouts with a penalty equal transformers' generate
 token for token; min-p near 1 samples the greedy tokens; the recorded log-probs stay the model's own."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from segki_lightning.rollout import RolloutEngine, SamplingConfig
-from segki_lightning.rollout.processors import process_logits
+from segki_lightning.ops.reference import process_logits
 
 from .test_rollout import build_model, random_prompts
 
@@ -22,9 +22,11 @@ def test_processed_logits_equal_transformers(penalty, min_p, temperature):
     logits = torch.randn(3, 50, generator=gen) * 3
     ids = torch.randint(0, 50, (3, 7), generator=gen)
     row = lambda v: torch.full((3,), float(v))   # noqa: E731
-    history = torch.cat([ids, ids[:, :1].expand(3, 5)], 1)   # unused columns repeat a token already listed
-    got = process_logits(logits, history if penalty != 1 else None, row(penalty), row(min_p) if min_p else None,
-                         row(temperature))
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter_(1, ids, True)   # repeats mark a token once
+    got, lse = process_logits(logits, seen if penalty != 1 else None, row(penalty), row(min_p) if min_p else None,
+                              row(temperature))
+    t = temperature if temperature > 0 else 1.0
+    torch.testing.assert_close(lse, torch.logsumexp(logits / t, -1), rtol=0, atol=0)
     want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits.clone())
     kept = want.clone()
     if min_p > 0:   # min-p after temperature; the logits keep their scale (the sampler divides by T itself)
@@ -38,12 +40,12 @@ def test_half_logits_stay_half_and_equal_the_fp32_result_rounded():
     dropped set decided on the same rounded values), never a silent fp32 -> reference-sampler switch."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     logits = (torch.randn(4, 300, generator=gen) * 4).bfloat16()
-    history = torch.randint(0, 300, (4, 20), generator=gen)
+    seen = torch.rand(4, 300, generator=gen) < 0.1
     row = lambda v: torch.full((4,), float(v))   # noqa: E731
-    got = process_logits(logits, history, row(1.3), row(0.02), row(0.8))
+    got, _ = process_logits(logits, seen, row(1.3), row(0.02), row(0.8))
     assert got.dtype == torch.bfloat16
-    penalised = process_logits(logits.float(), history, row(1.3), None, row(0.8)).bfloat16()
-    want = process_logits(penalised, None, row(1.0), row(0.02), row(0.8))
+    penalised = process_logits(logits.float(), seen, row(1.3), None, row(0.8))[0].bfloat16()
+    want = process_logits(penalised, None, row(1.0), row(0.02), row(0.8))[0]
     assert torch.equal(got, want) and torch.isinf(got).any() and torch.isfinite(got).any(1).all()
 
 

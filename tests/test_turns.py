@@ -1,7 +1,9 @@
-"""Multi-turn rollouts (RolloutEngine.generate_turns, rollout/turns.py) on CPU/fp32: a continued row equals a
-fresh generation from its whole conversation token for token (greedy, with and without the repetition penalty),
-appended tokens are in the sequence but not the model's (tool_mask 0, log-prob 0), rows end at different turns,
-a huge observation is cut to the row's budget (counted), and a wrong answer from respond is one clear error."""
+"""Multi-turn rollouts (RolloutEngine.generate_turns, rollout/turns.py) on CPU/fp32: a row continued from its
+own cache (appended tokens fed by the decode step, no prefill) equals a fresh generation from its whole
+conversation token for token (greedy, with and without the repetition penalty), an EOS among the appended tokens
+ends nothing, appended tokens are in the sequence but not the model's (tool_mask 0, log-prob 0), rows end at
+different turns, a huge observation is cut to the row's budget (counted), and a wrong answer from respond is one
+clear error."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +46,11 @@ def test_a_continued_row_equals_a_fresh_generation_from_its_whole_conversation(t
     engine = engine_for(tmp_path, ends=(5,))   # turn 1: completion indices 0..5, EOS at 5
     prompts = random_ids([5, 11, 8], seed=int(torch.randint(0, 2**31 - 1, ())))
     observations = random_ids([3, 6, 1], seed=7)
+    observations[1][2] = EOS   # an appended EOS (a chat template's end of turn) is fed, not an end
     asked = {}
+    prefills = []
+    forward = engine.prefiller.__call__
+    engine.prefiller = lambda seqs, ptrs: prefills.append(len(seqs)) or forward(seqs, ptrs)
 
     def respond(rows, completions):
         for r in rows:
@@ -54,6 +60,7 @@ def test_a_continued_row_equals_a_fresh_generation_from_its_whole_conversation(t
     cfg = SamplingConfig(max_new_tokens=30, temperature=0.0, repetition_penalty=penalty)
     batch = engine.generate_turns(prompts, cfg, respond, max_turns=3)
     assert set(asked) == {0, 1, 2} and batch.turns.tolist() == [2, 2, 2]
+    assert prefills == [3]   # the prompts' prefill only: rows continue from their own cache
     engine.ends = None
     for r, p in enumerate(prompts):
         ids = batch.completion_ids[r][batch.completion_mask[r].bool()].tolist()
@@ -118,7 +125,8 @@ def test_sampled_turns_keep_the_seeded_draws_and_stay_in_the_budget(tmp_path):
 
 @pytest.mark.parametrize("answer, match", [(lambda rows: [None], "answers for"),
                                            (lambda rows: [[VOCAB + 3]] * len(rows), "not token ids"),
-                                           (lambda rows: [["a"]] * len(rows), "not token ids")])
+                                           (lambda rows: [["a"]] * len(rows), "not token ids"),
+                                           (lambda rows: [[]] * len(rows), "no tokens")])
 def test_a_wrong_answer_from_respond_is_one_clear_error(tmp_path, answer, match):
     engine = engine_for(tmp_path)
     with pytest.raises(ValueError, match=match):
@@ -126,10 +134,3 @@ def test_a_wrong_answer_from_respond_is_one_clear_error(tmp_path, answer, match)
                               lambda rows, c: answer(rows), max_turns=2)
     with pytest.raises(ValueError, match="max_turns"):
         engine.generate_turns([[3, 4]], SamplingConfig(max_new_tokens=4), lambda rows, c: [], max_turns=0)
-
-
-def test_continuing_rows_prefill_in_few_forwards_within_a_token_budget():
-    groups = RolloutEngine._prefill_groups([[1] * 3, [1] * 5, [1] * 2, [1] * 9], rows=4, tokens=12)
-    assert groups == [[2, 0], [1], [3]]   # sorted by length; 2 x 5 would pass 12 tokens; 9 alone may
-    assert sorted(sum(RolloutEngine._prefill_groups([[1] * k for k in range(1, 40)], rows=64, tokens=100), [])) == \
-        list(range(39))

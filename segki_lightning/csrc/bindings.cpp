@@ -45,6 +45,10 @@ TORCH_LIBRARY(segki, m) {
         " -> Tensor");
   m.def("sample_tokens(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seed,"
         " Tensor offset) -> (Tensor, Tensor)");
+  // repetition penalty (over a [B, V] mask of seen tokens) and min-p before the sampler; returns the processed
+  // logits and the raw logits' log-sum-exp over T
+  m.def("process_logits(Tensor logits, Tensor? seen, Tensor penalty, Tensor? min_p, Tensor temperature)"
+        " -> (Tensor, Tensor)");
   m.def("record_tokens(Tensor tok, Tensor lp, Tensor(a!) finished, Tensor(b!) offset, Tensor(c!) token,"
         " Tensor(d!) out_tokens, Tensor(e!) out_logprobs, Tensor(f!) out_mask, Tensor eos, int pad,"
         " Tensor(g!)? lengths=None) -> ()");

@@ -636,6 +636,17 @@ def sample_tokens(logits, temperature, top_k, top_p, seed, offset) -> tuple[Tens
     return reference.sample_tokens(logits, temperature, top_k, top_p, seed, offset)
 
 
+def process_logits(logits, seen, penalty, min_p, temperature) -> tuple[Tensor, Tensor]:
+    """See :func:`reference.process_logits`: two native launches instead of ~25 PyTorch kernels per decode step."""
+    rows = [t for t in (penalty, min_p, temperature) if t is not None]
+    ok = (logits.dim() == 2 and all(t.is_cuda and t.dtype == torch.float32 and t.is_contiguous() for t in rows)
+          and (seen is None or (seen.is_cuda and seen.dtype == torch.bool and seen.is_contiguous()
+                                and seen.shape == logits.shape)))
+    if eligible("process_logits", logits, shape_ok=ok):
+        return tuple(_native("process_logits")(logits, seen, penalty, min_p, temperature))
+    return reference.process_logits(logits, seen, penalty, min_p, temperature)
+
+
 def record_tokens(tok, lp, finished, offset, token, out_tokens, out_logprobs, out_mask, eos, pad: int,
                   lengths: Tensor | None = None) -> None:
     """See :func:`reference.record_tokens`: one native launch instead of ~15 PyTorch kernels per decode step."""

@@ -105,6 +105,11 @@ def _sample(logits, temperature, top_k, top_p, seed, offset):
     return logits.new_empty((b,), dtype=torch.long), logits.new_empty((b,), dtype=torch.float32)
 
 
+@torch.library.register_fake("segki::process_logits")
+def _process(logits, seen, penalty, min_p, temperature):
+    return torch.empty_like(logits), logits.new_empty((logits.shape[0],), dtype=torch.float32)
+
+
 @torch.library.register_fake("segki::record_tokens")
 def _record(tok, lp, finished, offset, token, out_tokens, out_logprobs, out_mask, eos, pad, lengths=None):
     return None   # in place only

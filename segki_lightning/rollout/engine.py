@@ -29,7 +29,7 @@ from .graphs import capture, parameter_ptrs, pow2_bucket
 from .prefill import Prefiller
 from .stops import CHECK_TOKENS, StopCheck
 from .turns import Respond, StepKind, run_turns
-from .processors import history_rows, process_logits, raw_logprob
+from .processors import mark_seen, raw_logprob, remember
 from .rope import RopeTable, rotary_module
 
 log = logging.getLogger("segki_lightning")
@@ -52,11 +52,12 @@ class _DecodeState:
         self.top_p = torch.ones(max_batch, dtype=torch.float32, **z)         # [B]
         self.min_p = torch.zeros(max_batch, dtype=torch.float32, **z)        # [B]
         self.penalty = torch.ones(max_batch, dtype=torch.float32, **z)       # [B] repetition penalty
-        self.history = None   # [B, S] long: each row's tokens so far (prompt, then completion), with a penalty on
-        self.history_base = torch.zeros(max_batch, dtype=torch.long, **z)   # [B] prompt length: completion's column 0
+        self.seen = None      # [B, V] bool, with a penalty on: the tokens of each row's sequence so far
+        self.anchor = torch.zeros(max_batch, dtype=torch.long, **z)          # [B] a token of the row's prompt
         self.seed = torch.zeros(max_batch, dtype=torch.long, **z)            # [B]
         self.offset = torch.zeros(max_batch, dtype=torch.long, **z)          # [B] = completion index
         self.limit = torch.zeros(max_batch, dtype=torch.long, **z)           # [B] max_new_tokens (turns' budget)
+        self.force_end = torch.zeros(max_batch, dtype=torch.long, **z)       # [B] turns: indices < it are fed, not drawn
         self.out_tokens = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)       # [B, S]
         self.out_logprobs = torch.zeros(max_batch, max_seq, dtype=torch.float32, **z)  # [B, S]
         self.out_mask = torch.zeros(max_batch, max_seq, dtype=torch.long, **z)         # [B, S]
@@ -144,9 +145,10 @@ class RolloutEngine:
         and each row's completion so far, token ids up to its EOS) returns per row the tokens to append (a tool
         result or an environment's observation, chat-templated up to where the model's next turn starts) or None
         to end the row. Appended tokens are part of the completion (``completion_mask`` 1) but not the model's
-        (``tool_mask`` 0, log-prob 0); rows continue from a prefill of their whole sequence, until ``respond``
-        ends them, ``max_turns`` turns ran, or ``sampling.max_new_tokens`` (the row's budget for generated and
-        appended tokens together; an observation past it is cut, counted in ``stats.observations_cut``)."""
+        (``tool_mask`` 0, log-prob 0); the captured decode step feeds them from the row's own cache (no prefill:
+        :mod:`.turns`). Rows go on until ``respond`` ends them, ``max_turns`` turns ran, or
+        ``sampling.max_new_tokens`` (the row's budget for generated and appended tokens together; an observation
+        past it is cut, counted in ``stats.observations_cut``)."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         return self._run(prompts, sampling, respond, max_turns)
@@ -165,9 +167,9 @@ class RolloutEngine:
         tool_mask = turns = None
         try:
             groups = self._prefill_groups(prompts)
-            if kind[0] and self.state.history is None:
-                self.state.history = torch.zeros(self.max_batch_size, self.max_seq_len, dtype=torch.long,
-                                                 device=self.device)
+            if kind[0] and self.state.seen is None:
+                self.state.seen = torch.zeros(self.max_batch_size, self.vocab_size, dtype=torch.bool,
+                                              device=self.device)
             if self.graph_capture:
                 self._ensure_graph(bucket, ptrs, kind)
                 self.prefiller.prepare([[prompts[i] for i in g] for g in groups], ptrs)
@@ -180,9 +182,9 @@ class RolloutEngine:
             if respond is None:
                 stats.steps = self._decode(bucket, kind, sampling.max_new_tokens - 1, n_rows, stop)
                 stats.decode_s = self._sync_time() - t1
-            else:   # turns: rows continue as they end theirs, between stretches of decode steps (run_turns
-                # adds its decode, prefill and respond seconds to stats)
-                tool_mask, turns = run_turns(self, prompts, sampling, respond, max_turns, bucket, kind, ptrs, stats)
+            else:   # turns: rows continue as they end theirs, step by step (run_turns adds its decode and
+                # respond seconds to stats)
+                tool_mask, turns = run_turns(self, prompts, sampling, respond, max_turns, bucket, kind, stats)
             t2 = time.perf_counter()
         finally:
             self.model.train(was_training)
@@ -320,6 +322,7 @@ class RolloutEngine:
         st.token.fill_(self.pad)
         st.offset.zero_()
         st.limit.fill_(t)
+        st.force_end.zero_()
         st.temperature.fill_(sampling.temperature)
         st.top_k.fill_(sampling.top_k)
         st.top_p.fill_(sampling.top_p)
@@ -332,17 +335,10 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------------------------------ prefill
     @staticmethod
-    def _prefill_groups(prompts: list[list[int]], rows: int = PREFILL_GROUP, tokens: int | None = None
-                        ) -> list[list[int]]:
-        """Prompt indices in forwards of at most ``rows`` prompts and, given, ``tokens`` padded tokens (one longer
-        prompt alone may pass it), sorted by length so padding stays small."""
-        groups: list[list[int]] = []
-        for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-            if not groups or len(groups[-1]) == rows or (
-                    tokens is not None and (len(groups[-1]) + 1) * len(prompts[i]) > tokens):
-                groups.append([])
-            groups[-1].append(i)
-        return groups
+    def _prefill_groups(prompts: list[list[int]]) -> list[list[int]]:
+        """Prompt indices in forwards of at most PREFILL_GROUP prompts, sorted by length so padding stays small."""
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        return [order[i:i + PREFILL_GROUP] for i in range(0, len(order), PREFILL_GROUP)]
 
     def _prefill(self, prompts: list[list[int]], groups: list[list[int]], sampling: SamplingConfig,
                  st: _DecodeState, cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
@@ -352,10 +348,12 @@ class RolloutEngine:
         first = self._prefill_rows(prompts, [range(i * n, (i + 1) * n) for i in range(len(prompts))],
                                    len(prompts) * n, cache, ptrs, groups)               # [N, V]
         procs = sampling.processors
-        if procs[0]:   # each row's history starts as its prompt
-            st.history.copy_(history_rows([p for p in prompts for _ in range(n)], self.max_seq_len, self.device))
-            st.history_base.copy_(torch.tensor([len(p) for p in prompts]).repeat_interleave(n).to(self.device))
+        if procs[0]:   # each row has seen its prompt
+            mark_seen(st.seen, [p for p in prompts for _ in range(n)])
+            st.anchor.copy_(torch.tensor([p[0] for p in prompts]).repeat_interleave(n).to(self.device))
         tok, lp = self._sample(first, st, procs)
+        if procs[0]:
+            remember(st.seen, tok, ~st.finished, st.anchor)
         self._record(st, tok, lp)
         st.offset.add_(1)
 
@@ -390,16 +388,13 @@ class RolloutEngine:
                 ) -> tuple[Tensor, Tensor]:
         """``(tokens, logprobs) [B]`` from ``logits [B, V]``. With processors on (``procs``: penalty, min-p; see
         :mod:`.processors`) the fused sampler draws from the processed logits, the log-probs stay the model's own
-        (``log_softmax(logits / T)``), and each row's new token joins its history."""
+        (``log_softmax(logits / T)``); the caller marks the token seen (:func:`.processors.remember`)."""
         if not any(procs):
             return ops.sample_tokens(logits, st.temperature, st.top_k, st.top_p, st.seed, st.offset)
-        x = process_logits(logits, st.history if procs[0] else None, st.penalty, st.min_p if procs[1] else None,
-                           st.temperature)                                                  # [B, V]
+        x, lse = ops.process_logits(logits, st.seen if procs[0] else None, st.penalty,
+                                    st.min_p if procs[1] else None, st.temperature)          # [B, V], [B]
         tok, _ = ops.sample_tokens(x, st.temperature, st.top_k, st.top_p, st.seed, st.offset)
-        if procs[0]:
-            col = (st.history_base + st.offset).clamp_(max=st.history.shape[1] - 1)        # [B]
-            st.history.scatter_(1, col[:, None], tok[:, None])
-        return tok, raw_logprob(logits, tok, st.temperature)
+        return tok, raw_logprob(logits, tok, st.temperature, lse)
 
     def _step(self, bucket: int, kind: StepKind = (False, False, False)) -> None:
         """One decode step for rows [0, bucket): the function that is captured."""
@@ -414,10 +409,18 @@ class RolloutEngine:
             logits = self.model(input_ids=st.token[:, None], position_ids=cache.lengths[:, None], cache=cache,
                                 use_cache=True, **kw).logits[:, -1]                    # [B, V]
         tok, lp = self._sample(logits.contiguous(), st, kind[:2])
+        if kind[2]:   # turns: a row's appended tokens (already in out_tokens) are fed as they are, not drawn
+            forced = st.offset < st.force_end                                             # [B]
+            tok = torch.where(forced, st.out_tokens.gather(1, st.offset[:, None])[:, 0], tok)
+            lp = lp.masked_fill(forced, 0.0)
+        if kind[0]:
+            remember(st.seen, tok, ~st.finished, st.anchor)
         self._record(st, tok, lp, lengths=cache.lengths)   # then offset and lengths + 1
-        if kind[2]:   # turns: rows stop at their budget; rows waiting for the next turn never run past the cache
+        if kind[2]:   # an appended EOS ends nothing; rows stop at their budget and never run past the buffers
+            torch.logical_and(st.finished, forced.logical_not(), out=st.finished)
             torch.logical_or(st.finished, st.offset >= st.limit, out=st.finished)
             cache.lengths.clamp_(max=self.max_seq_len - 1)
+            st.offset.clamp_(max=st.out_tokens.shape[1] - 1)
 
     def _ensure_graph(self, bucket: int, ptrs: tuple[int, ...], kind: StepKind = (False, False, False)) -> None:
         held = self._graphs.get((bucket, kind))

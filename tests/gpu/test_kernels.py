@@ -1067,6 +1067,27 @@ def test_sample_tokens_match_reference_stream(vocab, temperature, top_k, top_p, 
     torch.testing.assert_close(logprobs[same], want_logprobs[same], rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [248320, 1001])   # Qwen3.5's, and one the vectorised path cannot take
+@pytest.mark.parametrize("penalty,min_p,temperature", [(1.3, None, 1.0), (None, 0.05, 0.7), (1.2, 0.1, 1.0),
+                                                       (0.7, 0.3, 0.0), (1.5, 0.999, 2.0)])
+@pytest.mark.parametrize("b", [1, 16, 37])
+def test_process_logits_match_reference_exactly(vocab, penalty, min_p, temperature, dtype, b):
+    """Penalised and min-p-masked logits bit for bit (NaN-poisoned output), the raw log-sum-exp within fp32
+    summation-order noise."""
+    logits = randn(b, vocab, dtype=dtype, scale=4.0)
+    seen = torch.rand(b, vocab, device="cuda") < 0.05 if penalty is not None else None
+    row = lambda v: torch.full((b,), float(v), device="cuda")   # noqa: E731
+    args = (seen, row(penalty or 1.0), row(min_p) if min_p is not None else None, row(temperature))
+    poison((b, vocab), dtype=dtype)
+    got, lse = torch.ops.segki.process_logits(logits, *args)
+    want, want_lse = R.process_logits(logits, *args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-4)
+    if min_p is not None:
+        assert torch.isinf(got).any() and torch.isfinite(got).any(1).all()
+
+
 def test_every_op_replays_inside_a_cuda_graph():
     dtype, b = torch.bfloat16, 4
     x = randn(b, 256, dtype=dtype)
@@ -1089,7 +1110,8 @@ def test_every_op_replays_inside_a_cuda_graph():
                 torch.ops.segki.sample_tokens(logits, *sargs)[0],
                 torch.ops.segki.gdn_decode_step(*gdn.values(), 1e-6, 2, 128, 128),
                 torch.ops.segki.attention_prologue(*qkv, *rope, *norms, kc2, vc2, positions, 1e-6, True, True),
-                torch.ops.segki.silu_mul(wg, wu))
+                torch.ops.segki.silu_mul(wg, wu),
+                torch.ops.segki.process_logits(logits, logits > 0, sargs[2], sargs[2], sargs[0])[0])
 
     graph, outs = captured(step)
     for _ in range(3):  # new inputs copied into the static buffers
@@ -1107,6 +1129,7 @@ def test_every_op_replays_inside_a_cuda_graph():
         want_attn = R.decode_attention(*f32(q, kc, vc), lengths, 128**-0.5).to(dtype) * torch.sigmoid(gate)
         assert rel_err(outs[2], want_attn) < 1e-2
         assert (outs[3] == R.sample_tokens(logits, *sargs)[0]).float().mean() >= 0.75
+        assert torch.equal(outs[7], R.process_logits(logits, logits > 0, sargs[2], sargs[2], sargs[0])[0])
         ref_gdn["conv_state"], ref_gdn["recurrent_state"] = conv0, rec0
         assert rel_err(outs[4], R.gdn_decode_step(*ref_gdn.values(), 1e-6, 2, 128, 128)) < 1e-2
         want_q = R.attention_prologue(*qkv, *rope, *norms, kc2_ref, vc2_ref, positions, 1e-6, True, True)

@@ -77,6 +77,35 @@ def sample_tokens(
     return tokens, logprobs
 
 
+def process_logits(logits: Tensor, seen: Tensor | None, penalty: Tensor, min_p: Tensor | None,
+                   temperature: Tensor) -> tuple[Tensor, Tensor]:
+    """The decode loop's logits processors beyond temperature / top-k / top-p (which the sampler applies).
+
+    transformers' ``RepetitionPenaltyLogitsProcessor`` on the tokens ``seen`` marks (divided by ``penalty`` where
+    positive, multiplied where negative, in fp32 and rounded back to the logits' dtype, as the model's logits are
+    rounded), then ``MinPLogitsWarper`` after temperature: tokens whose probability is below ``min_p`` times the
+    row's largest become -inf (``p_j >= min_p p_max  <=>  x_j >= max + T log(min_p)``).
+
+    Args:
+        logits: ``[B, V]``. seen: ``[B, V]`` bool (the row's prompt and completion so far), None: no penalty.
+        penalty, temperature: ``[B]`` fp32 (temperature 0: greedy, scales by 1). min_p: ``[B]`` fp32 or None.
+    Returns:
+        ``(processed [B, V]`` in the logits' dtype, ``lse [B]`` fp32: ``logsumexp(logits / T)`` of the raw
+        logits), the denominator of the raw log-probs the trainer compares with.
+    """
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))             # [B]
+    lf = logits.float()
+    lse = torch.logsumexp(lf / t[:, None], dim=-1)                                          # [B]
+    x = logits
+    if seen is not None:
+        p = penalty[:, None]
+        x = torch.where(seen, torch.where(lf < 0, lf * p, lf / p), lf).to(logits.dtype)
+    if min_p is not None:
+        floor = x.amax(-1, keepdim=True).float() + (t * torch.log(min_p))[:, None]          # [B, 1]; log 0 = -inf
+        x = x.masked_fill(x < floor, float("-inf"))
+    return (x.clone() if x is logits else x), lse
+
+
 def record_tokens(tok: Tensor, lp: Tensor, finished: Tensor, offset: Tensor, token: Tensor, out_tokens: Tensor,
                   out_logprobs: Tensor, out_mask: Tensor, eos: Tensor, pad: int, lengths: Tensor | None = None
                   ) -> None:
