@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import copy_bandwidth_gbps, qwen35_config, write_results  # noqa: E402
 
 from segki_lightning import RolloutEngine, SamplingConfig, remove_segment_ki  # noqa: E402
+from segki_lightning.rollout.stops import StopStrings  # noqa: E402
 
 PROMPT, NEW = 128, 256
 
@@ -46,11 +47,25 @@ def weight_bytes(model) -> int:
 
 
 MODES = {"greedy": dict(temperature=0.0), "sample T=1": dict(temperature=1.0),
-         # TRL's two sampler knobs, each a torch op beside the fused sampler inside the captured step
-         "sample T=1 min_p=0.05 rep=1.1": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.1)}
+         # TRL's sampler knobs: min-p and the penalty inside the captured step (ops.process_logits), stop strings
+         # as the host's check every 16 steps (rollout/stops.py)
+         "sample T=1 min_p=0.05 rep=1.1": dict(temperature=1.0, min_p=0.05, repetition_penalty=1.1),
+         "sample T=1 stop strings": dict(temperature=1.0)}
+STOPS = {"sample T=1 stop strings": ["</answer>", "\n\nQuestion:"]}
 
 
-def ours(model, batch: int, sampling: dict, use_segki: bool) -> dict:
+def word_tokenizer(vocab: int):
+    """A fast tokenizer of ``vocab`` whole-word tokens ("t0", "t1", ...) for the stop-string rows: random ids never
+    spell a stop string, so every row runs its full length and the rows measure the check's own cost (a gather of
+    each running row's last tokens, one copy to the host, a batched decode)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)},
+                                                                               unk_token="t0")))
+
+
+def ours(model, batch: int, sampling: dict, use_segki: bool, stops: list[str] | None = None) -> dict:
     engine = RolloutEngine(model, max_batch_size=max(batch, 1), max_seq_len=PROMPT + NEW + 8,
                            use_segki=use_segki, graph_capture=True, eos_token_id=[])
     g = torch.Generator().manual_seed(batch)
@@ -60,7 +75,8 @@ def ours(model, batch: int, sampling: dict, use_segki: bool) -> dict:
     t0 = time.perf_counter()
     engine.generate(prompts, SamplingConfig(max_new_tokens=8, n=batch, **sampling))  # capture
     warm = time.perf_counter() - t0
-    runs = [engine.generate(prompts, cfg).stats for _ in range(2)]
+    stop = StopStrings(word_tokenizer(engine.vocab_size), stops) if stops else None
+    runs = [engine.generate(prompts, cfg, stop=stop).stats for _ in range(2)]
     s = min(runs, key=lambda r: r.decode_s)
     out = dict(decode_tok_s=round(batch * s.steps / s.decode_s, 1), step_ms=round(s.decode_s / s.steps * 1e3, 3),
                prefill_s=round(s.prefill_s, 3), capture_s=round(engine.capture_s + engine.prefiller.capture_s, 2),
@@ -124,8 +140,8 @@ def main() -> None:
     ap.add_argument("--skip-ours", action="store_true", help="only the transformers baselines and the roofline")
     ap.add_argument("--no-graph-only", action="store_true", help="leave out the 'graph only' rows (the plain "
                     "forward captured): halves the time of our rows")
-    ap.add_argument("--processors", action="store_true", help="add rows sampled with min_p and repetition_penalty "
-                    "beside the plain sampler's")
+    ap.add_argument("--processors", action="store_true", help="add rows sampled with min_p and repetition_penalty, "
+                    "and with stop strings, beside the plain sampler's")
     args = ap.parse_args()
     modes = list(MODES) if args.processors else list(MODES)[:2]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -154,7 +170,7 @@ def main() -> None:
                     # compiles the Triton prefill kernels)
                     print(f"[{time.perf_counter() - started:.0f} s] {name} b={batch} {mode} {system}", flush=True)
                     try:
-                        r = ours(model, batch, MODES[mode], segki)
+                        r = ours(model, batch, MODES[mode], segki, STOPS.get(mode))
                     except Exception as exc:  # keep measuring the rest; the row says what failed
                         r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
                     add(model=name, system=system, batch=batch, mode=mode, **r,
