@@ -1,4 +1,4 @@
-"""Early stops of RolloutEngine.generate (rollout/stops.py): rows a check names finish at the next check, the
+"""Early stops of RolloutEngine.generate (rollout/stops.py): rows a check names finish one stretch after it, the
 tokens up to each row's stop are those of a run without the check (per-row draws), the loop ends sooner, and
 StopStrings reads stop strings from text windows; a GRPO run's rollouts stop early and cut at the stop."""
 from __future__ import annotations
@@ -28,7 +28,7 @@ class TokenStop:
         return next((i for i, t in enumerate(ids) if t in self.stops), len(ids))
 
 
-def test_rows_stop_at_the_next_check_and_keep_their_tokens(tmp_path):
+def test_rows_stop_a_stretch_after_the_next_check_and_keep_their_tokens(tmp_path):
     model = build_model("qwen3_5", tmp_path)
     engine = RolloutEngine(model, max_batch_size=16, max_seq_len=220, graph_capture=False, eos_token_id=[])
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
@@ -43,7 +43,8 @@ def test_rows_stop_at_the_next_check_and_keep_their_tokens(tmp_path):
         got = early.completion_ids[r][early.completion_mask[r].bool()].tolist()
         k = check.first(full)
         assert got == full[:len(got)], r                       # the same draws up to where it stopped
-        assert k < len(got) <= k + CHECK_EVERY + 1, (r, k, len(got))   # stopped at the next check
+        # the check after the stop runs while the next stretch decodes: finished at most two stretches on
+        assert k < len(got) <= k + 2 * CHECK_EVERY + 1, (r, k, len(got))
 
 
 def test_stop_strings_read_windows_of_text():

@@ -27,7 +27,7 @@ from .cache import StaticHybridCache, layer_layouts
 from .config import SamplingConfig
 from .graphs import capture, parameter_ptrs, pow2_bucket
 from .prefill import Prefiller
-from .stops import CHECK_TOKENS, StopCheck
+from .stops import CHECK_TOKENS, StopCheck, Tails
 from .turns import Respond, StepKind, run_turns
 from .processors import mark_seen, raw_logprob, remember
 from .rope import RopeTable, rotary_module
@@ -195,31 +195,25 @@ class RolloutEngine:
     def _decode(self, bucket: int, kind: StepKind, max_steps: int, n_rows: int, stop: StopCheck | None = None
                 ) -> int:
         """Replay (or run) the decode step up to ``max_steps`` times, until rows [0, n_rows) have all finished
-        (read every CHECK_EVERY steps, with ``stop``'s check: the loop's only device-to-host reads); returns the
-        steps run."""
-        steps = 0
+        (read every CHECK_EVERY steps: the loop's only device-to-host reads); returns the steps run. ``stop``: the
+        tails copied after each stretch are checked while the next one decodes (:mod:`.stops`)."""
+        steps, tails = 0, None
         while steps < max_steps:
             steps += self._replay(bucket, kind, min(CHECK_EVERY, max_steps - steps))
-            if steps % CHECK_EVERY == 0:
-                if stop is not None:
-                    self._stop_rows(stop, n_rows)
+            if steps % CHECK_EVERY:
+                continue
+            if stop is None:
                 if bool(self.state.finished[:n_rows].all()):
                     break
+                continue
+            if tails is not None:   # the stretch before this one: its stopped rows finish after this one
+                rows, done = tails.stopped(stop)
+                if rows:
+                    self.state.finished[torch.tensor(rows, device=self.device)] = True
+                if done:
+                    break
+            tails = Tails(self.state, n_rows, stop.window)
         return steps
-
-    def _stop_rows(self, stop: StopCheck, n_rows: int) -> None:
-        """Finish the running rows whose last ``stop.window`` completion tokens ``stop`` names."""
-        st = self.state.rows(n_rows)
-        running = (~st.finished).nonzero()[:, 0]                                          # [R]
-        if len(running) == 0:
-            return
-        ends = st.offset.index_select(0, running)                                        # [R] tokens so far
-        cols = ends[:, None] - stop.window + torch.arange(stop.window, device=self.device)[None]   # [R, W]
-        tails = st.out_tokens.index_select(0, running).gather(1, cols.clamp_min(0)).cpu()
-        keep = (cols >= 0).cpu()
-        hit = stop([t[k].tolist() for t, k in zip(tails, keep)])
-        rows = running[torch.tensor(list(hit), dtype=torch.bool, device=self.device)]
-        st.finished[rows] = True
 
     def _replay(self, bucket: int, kind: StepKind, steps: int) -> int:
         """``steps`` decode steps of rows [0, bucket), with no host read; returns ``steps``."""

@@ -1,12 +1,15 @@
-"""Early stops of ``RolloutEngine.generate``: every CHECK_EVERY decode steps the engine hands a check the last
-``window`` completion tokens of each running row; rows it names finish there, and the decode loop ends once every
-row has finished. The exact cut (which token completes the stop string) is the caller's, on the finished batch;
-the few tokens a row generates past its stop before the check sees it are the ones it would generate anyway
-(each row's draws depend on its own seed and position only)."""
+"""Early stops of ``RolloutEngine.generate``: every CHECK_EVERY decode steps the engine copies each row's last
+``window`` completion tokens to the host without waiting, and hands the running rows' tails to a check while the
+next CHECK_EVERY steps decode (the host's tokenizer never stalls the GPU); rows it names finish after that stretch,
+and the loop ends once every row has. The exact cut (which token completes the stop string) is the caller's, on
+the finished batch; the tokens a row generates past its stop before it finishes are the ones it would generate
+anyway (each row's draws depend on its own seed and position only)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import torch
 
 CHECK_TOKENS = 16   # decode steps between two checks: the engine's CHECK_EVERY (the first check also sees the
                     # token sampled from the prefill: CHECK_TOKENS + 1 new tokens)
@@ -35,3 +38,26 @@ class StopStrings:
     def __call__(self, tails: list[list[int]]) -> list[bool]:
         texts = self.tokenizer.batch_decode(tails, skip_special_tokens=True)
         return [any(s in t for s in self.stops) for t in texts]
+
+
+class Tails:
+    """Rows ``[0, n)``'s finished flags and last ``window`` completion tokens (before index ``offset``), copied to
+    the host behind the work queued so far, read later (``read`` waits for that copy only)."""
+
+    def __init__(self, st, n: int, window: int):
+        cols = st.offset[:n, None] - window + torch.arange(window, device=st.offset.device)   # [N, W]
+        self.keep = (cols >= 0).to("cpu", non_blocking=True)
+        self.tails = st.out_tokens[:n].gather(1, cols.clamp_min(0)).to("cpu", non_blocking=True)   # [N, W]
+        self.finished = st.finished[:n].to("cpu", non_blocking=True)                                 # [N]
+        self.event = torch.cuda.Event() if st.offset.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    def stopped(self, stop: StopCheck) -> tuple[list[int], bool]:
+        """The running rows ``stop`` names, and whether every row is then finished."""
+        if self.event is not None:
+            self.event.synchronize()
+        running = (~self.finished).nonzero()[:, 0].tolist()
+        hit = list(stop([self.tails[r][self.keep[r]].tolist() for r in running])) if running else []
+        rows = [r for r, h in zip(running, hit) if h]
+        return rows, len(rows) == len(running)
