@@ -35,7 +35,8 @@
 #   canonical  canon_decode then canon_train: the README's performance tables for the current tree (run it with
 #           --out benchmarks/results/current, then python benchmarks/readme_tables.py)
 #   canon_decode benchmarks/decode.py, ours and graph only at 1, 16, 32 and 64 rows, transformers' eager generate
-#           at 1 and static cache + compile at 1 and 16 ($out/decode.json)
+#           at 1 and static cache + compile at 1 and 16 ($out/decode.json; ~9 minutes on a fresh H100, ~3 of them
+#           transformers' compiles per model)
 #   canon_train  benchmarks/grpo_gpu.py, segki, each case of readme_tables.CANONICAL_CASES
 #           ($out/train/<case>/grpo_gpu.json)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
