@@ -1,6 +1,7 @@
 """The README's performance tables, generated from the result files under ``benchmarks/results/`` (never copied by
-hand): each cell names where its number comes from (:data:`DECODE`, :data:`TRAINING`), and where the canonical
-command's output (``benchmarks/results/current/``, see ``benchmarks/run_gpu.sh canonical``) holds a cell, that wins.
+hand): the decode table from the canonical command's output (``benchmarks/results/current/decode.json``, see
+``benchmarks/run_gpu.sh canonical``), the training table's rows from the files :data:`TRAINING` names unless the
+canonical output holds that case.
 
     python benchmarks/readme_tables.py            # rewrite the README's generated blocks
     python benchmarks/readme_tables.py --check    # exit 1 if the README differs from the files (a CPU test runs it)
@@ -20,29 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CURRENT = "current"   # the canonical command's folder
 
-# decode tok/s cells: column -> (model, batch, mode); rows -> system name in decode.py's output and, per column, the
-# files (globs under benchmarks/results/) whose runs the cell spans (min-max over them)
+# decode tok/s cells: column -> (model, batch, mode); rows -> (label, system name in decode.py's output, the columns
+# it fills or None for all), each cell read from the canonical run's decode.json (min-max over its rows)
 COLUMNS = {"0.8B b=1": ("0.8b", 1, "greedy"), "0.8B b=16": ("0.8b", 16, "greedy"),
            "0.8B b=32 (T=1)": ("0.8b", 32, "sample T=1"), "0.8B b=64 (T=1)": ("0.8b", 64, "sample T=1"),
            "4B b=1": ("4b", 1, "greedy"), "4B b=16 (T=1)": ("4b", 16, "sample T=1"),
            "4B b=32 (T=1)": ("4b", 32, "sample T=1"), "4B b=64 (T=1)": ("4b", 64, "sample T=1")}
-_OURS = {"0.8B b=1": "paced_fill/run3_1_8_rows/decode_B*.json", "4B b=1": "paced_fill/run3_1_8_rows/decode_B*.json",
-         "0.8B b=16": "conv_prologue/decode_B*.json", "4B b=16 (T=1)": "deferred_xregs/run2_ab/decode_B*.json",
-         "0.8B b=32 (T=1)": "attn_step16/decode_B*.json", "4B b=32 (T=1)": "attn_step16/decode_B*.json",
-         "0.8B b=64 (T=1)": "v47_decode/decode_all*.json", "4B b=64 (T=1)": "v47_decode/decode_all*.json"}
 DECODE = [
-    ("roofline (weights once / copy bandwidth)", "roofline (weights once / copy BW)",
-     {c: f for c, f in _OURS.items() if c in ("0.8B b=1", "4B b=1")}),
-    ("segki_lightning (segki + graph)", "ours: segki + graph", _OURS),
-    ("graph only (plain forward captured)", "ours: graph only",
-     {"0.8B b=1": "v8_decode/b1_4_16_08b/decode.json", "0.8B b=16": "v8_decode/b1_4_16_08b/decode.json",
-      "0.8B b=64 (T=1)": "v5_main_2bf991c/decode.json", "4B b=1": "v8_decode/b1_4_16_4b/decode.json",
-      "4B b=16 (T=1)": "v8_decode/b1_4_16_4b/decode.json", "4B b=64 (T=1)": "v5_main_2bf991c/decode.json"}),
-    ("transformers static cache + compile (greedy)", "HF static cache + compile",
-     {"0.8B b=1": "v8_decode/b1_4_16_08b/decode.json", "0.8B b=16": "v5_main_2bf991c/decode_b16_vs_hf_compile.md",
-      "4B b=1": "v7_decode/decode_vs_hf_compile.json", "4B b=16 (T=1)": "v5_main_2bf991c/decode_b16_vs_hf_compile.md"}),
-    ("transformers eager `generate`", "HF eager generate",
-     {"0.8B b=1": "v5_main_2bf991c/decode.json", "4B b=1": "v5_main_2bf991c/decode.json"}),
+    ("roofline (weights once / copy bandwidth)", "roofline (weights once / copy BW)", ("0.8B b=1", "4B b=1")),
+    ("segki_lightning (segki + graph)", "ours: segki + graph", None),
+    ("graph only (plain forward captured)", "ours: graph only", None),
+    ("transformers static cache + compile (greedy)", "HF static cache + compile", None),
+    ("transformers eager `generate`", "HF eager generate", None),
 ]
 # peers measured at greedy only: their T=1 columns take the greedy row
 _GREEDY_ONLY = {"HF static cache + compile", "HF eager generate"}
@@ -79,10 +69,10 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-def _files(pattern: str) -> list[Path]:
-    """The canonical folder's decode.json when it exists, else the pattern's files (sorted)."""
+def _files() -> list[Path]:
+    """The canonical run's decode.json, where it exists."""
     current = RESULTS / CURRENT / "decode.json"
-    return [current] if current.exists() else sorted(RESULTS.glob(pattern))
+    return [current] if current.exists() else []
 
 
 def _tok_s(files: list[Path], system: str, model: str, batch: int, mode: str) -> list[float]:
@@ -107,16 +97,16 @@ def _span(values: list[float]) -> str:
 def decode_table() -> str:
     lines = ["| Qwen3.5 decode tok/s | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     sources = set()
-    for label, system, cells in DECODE:
+    for label, system, cols in DECODE:
         row = []
         for col, (model, batch, mode) in COLUMNS.items():
-            files = _files(cells[col]) if col in cells else []
+            files = _files() if cols is None or col in cols else []
             sources.update(str(f.relative_to(RESULTS)) for f in files)
             row.append(_span(_tok_s(files, system, model, batch, mode)))
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     lines += ["", "Generated by `python benchmarks/readme_tables.py` from " +
               ", ".join(f"`{s}`" for s in sorted(sources)) + " (under `benchmarks/results/`; each folder's README "
-              "names the command and the commit). A range spans the runs of one cell's files."]
+              "names the command and the commit). A range spans the rows of one cell."]
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ def test_the_readme_tables_are_generated_from_the_results(tables):
 
 
 def test_the_canonical_folder_wins(tables, tmp_path, monkeypatch):
-    """A decode.json in results/current/ replaces every decode cell's files, a canonical GRPO case its row."""
+    """The decode table reads results/current/decode.json; a canonical GRPO case there replaces its row."""
     monkeypatch.setattr(tables, "RESULTS", tmp_path)
     (tmp_path / "current").mkdir()
     rows = [dict(model="0.8b", system="ours: segki + graph", batch=1, mode="greedy", decode_tok_s=1234.5),
