@@ -101,3 +101,85 @@ def test_a_lora_run_resumes_bit_identically(tmp_path):
     got = torch.load(tmp_path / "resumed" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def lora_policy(tmp_path, **lora):
+    """The tiny hybrid (fp32) under peft LoRA on every projection, its adapters made non-zero (peft starts B at
+    zero): ``(PeftModel, the transformers model inside it)``."""
+    from segki_lightning.rl.lora import apply_lora
+
+    from .tiny_models import build_model
+
+    peft_model = apply_lora(build_model("qwen3_5", tmp_path), **{"r": 4, "lora_alpha": 8, **lora})
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return peft_model, peft_model.get_base_model()
+
+
+def test_lora_layers_run_in_the_fused_segments_and_equal_peft(tmp_path):
+    """LoRA projections no longer leave their segments unfused: the engine's greedy rollouts and log-probs, the
+    training path's log-probs and the adapters' gradients equal peft's own forward (fp32, CPU), and with the
+    adapters off (the KL reference) the injected model is the base."""
+    from segki_lightning import RolloutEngine, SamplingConfig, apply_segment_ki, remove_segment_ki
+    from segki_lightning.rl.logprobs import completion_logprobs
+
+    from .test_rollout import random_prompts
+
+    peft_model, model = lora_policy(tmp_path)
+    prompts = random_prompts([5, 11, 8])
+    cfg = SamplingConfig(max_new_tokens=12, temperature=0.0)
+    plain = RolloutEngine(model, max_batch_size=8, max_seq_len=40, use_segki=False, graph_capture=False,
+                          eos_token_id=[]).generate(prompts, cfg)
+    args = (plain.prompt_ids, plain.prompt_mask, plain.completion_ids, plain.completion_mask)
+    want = completion_logprobs(model, *args).logp
+    loss = -want.sum()
+    loss.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    with peft_model.disable_adapter():
+        base = completion_logprobs(model, *args).logp.detach()
+
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=40, graph_capture=False, eos_token_id=[])
+    skipped = [r for rs in engine.report.skipped.values() for r in rs]
+    assert engine.report.replaced["gated_mlp"] > 0 and engine.report.replaced["gdn"] > 0 and not skipped, skipped
+    fused = engine.generate(prompts, cfg)
+    assert torch.equal(fused.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(fused.logprobs, want.detach(), rtol=1e-4, atol=1e-4)
+    got = completion_logprobs(model, *args).logp
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (-got.sum()).backward()
+    assert want_grads and all("lora_" in n for n in want_grads)   # the base is frozen
+    for n, p in model.named_parameters():   # fp32, two chunk forms of the GDN rule: relative to each gradient's norm
+        if n in want_grads:
+            assert (p.grad - want_grads[n]).norm() <= 1e-4 * want_grads[n].norm(), n
+    with peft_model.disable_adapter():
+        torch.testing.assert_close(completion_logprobs(model, *args).logp.detach(), base, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(base, want.detach(), atol=1e-3)   # the adapters matter
+    remove_segment_ki(model)
+    report = apply_segment_ki(model)
+    assert not [r for rs in report.skipped.values() for r in rs]
+
+
+def test_a_lora_variant_stays_unfused_and_is_named(tmp_path):
+    """DoRA (a LoRA variant the segments do not run): its MLPs are left to peft, one report line each, and the
+    model's outputs are peft's."""
+    from peft import LoraConfig, get_peft_model
+
+    from segki_lightning import apply_segment_ki
+
+    from .tiny_models import build_model
+
+    cfg = LoraConfig(r=4, use_dora=True, target_modules=["gate_proj", "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(build_model("qwen3_5", tmp_path), cfg).get_base_model()
+    ids = torch.randint(2, 50, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    report = apply_segment_ki(model)
+    reasons = [why for _, why in report.skipped["gated_mlp"]]
+    assert len(reasons) == model.config.num_hidden_layers and all("LoRA variant" in why for why in reasons)
+    assert report.replaced["gdn"] > 0   # the rest of each layer stays fused
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)

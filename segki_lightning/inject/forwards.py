@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import reference, varlen
+from .adapters import adapted, add_lora
 
 SPEC = "_segki_spec"
 
@@ -53,6 +54,19 @@ def normed_ahead(norm: nn.Module, x: Tensor) -> Tensor | None:
 PostNorm = tuple[Tensor, float, bool]   # an RMSNorm's (weight, eps, unit_offset)
 
 
+def _normed(x: Tensor, norm: nn.Module | None) -> Tensor:
+    """``norm(x)`` by an injected RMSNorm, on its own (where a projection cannot take it as its prologue)."""
+    if norm is None:
+        return x
+    s: NormSpec = spec(norm)
+    return ops.rms_norm(x, norm.weight, s.eps, s.unit_offset)
+
+
+def _project(lin: nn.Module, x: Tensor) -> Tensor:
+    """``lin(x)``: the product with its weight (and bias), plus a LoRA layer's low-rank path (:mod:`.adapters`)."""
+    return add_lora(lin, x, ops.linear(x, lin.weight, lin.bias))
+
+
 def norm_prologue(norm: nn.Module | None) -> dict[str, Any]:
     """An injected RMSNorm as the norm prologue of the projection after it (``norm_w``, ``norm_eps``,
     ``norm_unit_offset``: the ops normalize x first, inside their own launch where they can); {} for none."""
@@ -67,8 +81,19 @@ def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None
                       ) -> Tensor:
     """``down(silu(gate(x)) * up(x))``, plus ``residual`` when given (the decoder layer's residual add,
     folded into the down projection); with ``norm`` (an injected RMSNorm), of ``norm(x)``."""
+    if adapted(self.gate_proj, self.up_proj, self.down_proj):
+        return _gated_mlp_adapted(self, x, residual, norm)
     h = ops.gated_mlp_front(x, self.gate_proj.weight, self.up_proj.weight, **norm_prologue(norm))   # [..., I]
     return ops.linear(h, self.down_proj.weight, None, residual)               # [..., H]
+
+
+def _gated_mlp_adapted(self: nn.Module, x: Tensor, residual: Tensor | None, norm: nn.Module | None) -> Tensor:
+    """:func:`gated_mlp_forward` with LoRA on its projections: each projection a product plus its low-rank path,
+    the norm, the SiLU gate and the residual add on their own (none fused into a projection's launch)."""
+    x = _normed(x, norm)
+    h = ops.silu_mul(_project(self.gate_proj, x), _project(self.up_proj, x))     # [..., I]
+    out = _project(self.down_proj, h)                                           # [..., H]
+    return out if residual is None else out + residual
 
 
 # -------------------------------------------------------------------------------------- attention QKV
@@ -95,7 +120,8 @@ class QKVGroup:
 
 def q_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
     g: QKVGroup = spec(self)
-    q, k, v = ops.qkv_proj(x, g.q.weight, g.k.weight, g.v.weight, g.q.bias, g.k.bias, g.v.bias)
+    q, k, v = (add_lora(lin, x, y) for lin, y in zip(
+        (g.q, g.k, g.v), ops.qkv_proj(x, g.q.weight, g.k.weight, g.v.weight, g.q.bias, g.k.bias, g.v.bias)))
     g.pending, g.pending_input = {"k": k, "v": v}, x
     return q
 
@@ -103,7 +129,7 @@ def q_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
 def kv_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
     g: QKVGroup = spec(self)
     out = g.take("k" if self is g.k else "v", x)
-    return out if out is not None else ops.linear(x, self.weight, self.bias)
+    return out if out is not None else _project(self, x)
 
 
 # ------------------------------------------------------------------------------- attention (decode)
@@ -192,8 +218,9 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     projection; ``post_norm``: see :func:`_out_projection`."""
     bsz = x.shape[0]
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
-    h, pro = _projection_input(x, norm, normed)                                               # [B, H]
+    h, pro = _projection_input(x, norm, normed, adapted(qp, kp, vp))                         # [B, H]
     q, k, v = ops.qkv_proj(h, qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias, **pro)  # [B, Hq*D(*2)] ...
+    q, k, v = add_lora(qp, h, q), add_lora(kp, h, k), add_lora(vp, h, v)
     cos, sin = (t.expand(bsz, 1, t.shape[-1]).reshape(bsz, -1) for t in rope_tables)             # [B, R]
     q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
@@ -213,10 +240,15 @@ class GDNSpec:
     original_forward: Any  # the forward used for caches this package does not own
 
 
-def _gdn_in_proj(self: nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """qkv, z, b, a of a Gated-DeltaNet block from its four projection weights."""
-    return ops.gdn_in_proj(x, self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
-                           self.in_proj_a.weight)
+GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def _gdn_in_proj(self: nn.Module, x: Tensor, **prologue: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """qkv, z, b, a of a Gated-DeltaNet block from its four projection weights (plus their LoRA paths; x as the
+    product saw it: with a norm ``prologue`` there is no LoRA, see :func:`_projection_input`)."""
+    lins = [getattr(self, n) for n in GDN_IN]
+    out = ops.gdn_in_proj(x, *(lin.weight for lin in lins), **prologue)
+    return tuple(add_lora(lin, x, y) for lin, y in zip(lins, out))
 
 
 def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
@@ -246,7 +278,7 @@ def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, atten
     g, beta = ops.gdn_gates(a, b, self.A_log, self.dt_bias)
     core = varlen.gdn_chunk(q, k, v, g, beta, cu)                                          # [B, T, Hv, Dv]
     core = ops.gated_rms_norm(core, z.view(bsz, t, s.num_v_heads, s.head_v_dim), self.norm.weight, s.norm_eps)
-    return ops.linear(core.reshape(bsz, t, -1), self.out_proj.weight)
+    return _project(self.out_proj, core.reshape(bsz, t, -1))
 
 
 def _gdn_decode_call(self: nn.Module, x: Tensor, cache: Any) -> functools.partial | None:
@@ -265,25 +297,29 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
     before ``out_proj``), otherwise after the projection, beside the recurrence. ``norm``: an injected RMSNorm
     applied to x first, in the input projection, unless ``normed [B, 1, K]`` brings ``norm(x)`` (computed ahead);
     ``residual [B, 1, K]``: added in ``out_proj``; ``post_norm``: see :func:`_out_projection`."""
-    h, pro = _projection_input(x, norm, normed)                                    # h [B, K]
-    w = (self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight, self.in_proj_a.weight)
+    lora = adapted(*(getattr(self, n) for n in GDN_IN))
+    h, pro = _projection_input(x, norm, normed, lora)                              # h [B, K]
+    w = tuple(getattr(self, n).weight for n in GDN_IN)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
     tail = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
             s.head_v_dim)
-    if ops.fuses_gdn_conv(h, *w, *conv):
+    if not lora and ops.fuses_gdn_conv(h, *w, *conv):
         mixed, z, b, a = ops.gdn_in_proj_conv(h, *w, *conv, **pro)                  # [B, C] [B, Hv*Dv] [B, Hv] x2
         core = ops.gdn_recurrent_step(mixed, z, b, a, *tail)                       # [B, Hv*Dv]
-    else:
-        qkv, z, b, a = ops.gdn_in_proj(h, *w, **pro)
+    else:   # the conv beside the recurrence (LoRA: after the adapters' paths joined the products)
+        qkv, z, b, a = _gdn_in_proj(self, h, **pro)
         core = ops.gdn_decode_step(qkv, z, b, a, *conv, *tail)
     return _out_projection(core, self.out_proj, residual, post_norm)
 
 
-def _projection_input(x: Tensor, norm: nn.Module | None, normed: Tensor | None) -> tuple[Tensor, dict[str, Any]]:
+def _projection_input(x: Tensor, norm: nn.Module | None, normed: Tensor | None, lora: bool = False
+                      ) -> tuple[Tensor, dict[str, Any]]:
     """A mixer's input projection's x ``[B, H]`` and norm prologue: ``norm(x)`` given ahead, with none; else x and
-    ``norm``'s."""
+    ``norm``'s, or with ``lora`` (the adapters' paths need the normed x too) ``norm(x)`` on its own."""
     if normed is not None:
         return normed[:, 0], {}
+    if lora:
+        return _normed(x[:, 0], norm), {}
     return x[:, 0], norm_prologue(norm)
 
 
@@ -295,6 +331,12 @@ def _out_projection(y: Tensor, proj: nn.Module, residual: Tensor | None, post_no
     into the norm, :func:`ops.linear_add_rms_norm`)."""
     bsz = y.shape[0]
     res = residual[:, 0] if residual is not None else None                        # [B, H]
+    if adapted(proj):   # the adapter's path joins the product first: the add (and norm) on their own
+        out = _project(proj, y)                                                    # [B, H]
+        if post_norm is None:
+            return (out if res is None else out + res).view(bsz, 1, -1)
+        normed, h = ops.add_rms_norm(out, res, *post_norm)
+        return normed.view(bsz, 1, -1), h.view(bsz, 1, -1)
     if post_norm is None:
         return ops.linear(y, proj.weight, proj.bias, res).view(bsz, 1, -1)
     normed, h = ops.linear_add_rms_norm(y, proj.weight, proj.bias, res, *post_norm)

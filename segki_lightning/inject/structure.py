@@ -8,6 +8,7 @@ import inspect
 import torch
 from torch import nn
 
+from .adapters import is_lora
 from .forwards import AttentionSpec, GDNSpec, LayerSpec, NormSpec, QKVGroup
 from .verify import relative_error
 
@@ -23,9 +24,17 @@ def _has_hooks(m: nn.Module) -> bool:
 
 
 def check_plain_linear(lin: object, name: str, bias_ok: bool = False) -> None:
-    """A dense weight on an unwrapped ``nn.Linear`` (no DTensor, quantized or adapter layers, no hooks)."""
+    """A dense weight on an unwrapped ``nn.Linear`` (no DTensor, quantized or adapter layers, no hooks), or peft's
+    vanilla LoRA on one (its low-rank path runs beside the fused ops: :mod:`.adapters`)."""
+    if is_lora(lin):
+        if getattr(lin, "lora_variant", None) or any(getattr(lin, "use_dora", {}).values()):
+            raise Mismatch(f"{name} is a peft LoRA variant (DoRA or another): runs unfused")
+        if _has_hooks(lin):
+            raise Mismatch(f"{name} has forward hooks or a patched forward")
+        lin = lin.base_layer
     if type(lin) is not nn.Linear:
-        kind = "a peft adapter layer (runs unfused)" if type(lin).__module__.startswith("peft.") else type(lin).__name__
+        kind = "a peft adapter layer other than LoRA (runs unfused)" if type(lin).__module__.startswith("peft.") \
+            else type(lin).__name__
         raise Mismatch(f"{name} is {kind}, not a plain nn.Linear")
     w = lin.weight
     if type(w) is not nn.Parameter or type(w.data) is not torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():   # one skip line for the module, not one per case
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from segki_lightning import RolloutEngine, SamplingConfig, apply_segment_ki
+from segki_lightning import RolloutEngine, SamplingConfig, apply_segment_ki, remove_segment_ki
 
 pytestmark = pytest.mark.gpu
 
@@ -107,16 +107,47 @@ def test_turns_in_the_captured_step_equal_eager_and_follow_a_plain_forward(tmp_p
         if int(a.turns[r]) < 2:   # a greedy row that never drew an end token
             continue
         got = a.completion_ids[r][a.completion_mask[r].bool()]                     # [T]
-        own = a.tool_mask[r, :len(got)].bool()                                     # the model's tokens
-        with torch.no_grad():
-            seq = torch.cat([torch.tensor(p, device="cuda"), got])[None]
-            logits = model(input_ids=seq).logits[0, len(p) - 1:-1].float()         # [T, V] predicting got
-        best = logits.topk(2, -1).values
-        clear = own & (best[:, 0] - best[:, 1] > 0.1)
-        assert int(clear.sum()) >= int(own.sum()) // 2, r                          # the check is not vacuous
-        assert torch.equal(got[clear], logits.argmax(-1)[clear]), r
-        want = torch.log_softmax(logits, -1).gather(-1, got[:, None])[:, 0]
-        assert (a.logprobs[r, :len(got)][own] - want[own]).abs().mean() < 0.15, r
+        follows_a_plain_forward(model, p, got, a.logprobs[r, :len(got)], a.tool_mask[r, :len(got)].bool())
+
+
+def follows_a_plain_forward(model, prompt: list[int], got, logprobs, own) -> None:
+    """Greedy tokens ``got [T]`` (the model's where ``own``) and their recorded log-probs against one plain forward
+    over prompt + got: each token is that forward's argmax wherever its two best logits are more than 0.1 apart
+    (bf16 moves them by less), log-probs within the single-turn test's tolerance."""
+    with torch.no_grad():
+        seq = torch.cat([torch.tensor(prompt, device="cuda"), got])[None]
+        logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()         # [T, V] predicting got
+    best = logits.topk(2, -1).values
+    clear = own & (best[:, 0] - best[:, 1] > 0.1)
+    assert int(clear.sum()) >= int(own.sum()) // 2                                  # the check is not vacuous
+    assert torch.equal(got[clear], logits.argmax(-1)[clear])
+    want = torch.log_softmax(logits, -1).gather(-1, got[:, None])[:, 0]
+    assert (logprobs[own] - want[own]).abs().mean() < 0.15
+
+
+def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path):
+    """LoRA on every projection (non-zero adapters, fp32 as peft keeps them over a bf16 base) inside the captured
+    fused decode: no segment left to peft, graph == eager, and each row follows peft's own forward (the model
+    with its adapters, unfused) within bf16 tolerance."""
+    from segki_lightning.rl.lora import apply_lora
+
+    model = cuda_model(tmp_path, seed=6)
+    peft_model = apply_lora(model, r=8, lora_alpha=16)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    graph = RolloutEngine(model, max_batch_size=8, max_seq_len=96, graph_capture=True, eos_token_id=[])
+    eager = RolloutEngine(model, max_batch_size=8, max_seq_len=96, graph_capture=False, eos_token_id=[])
+    assert not [r for rs in graph.report.skipped.values() for r in rs]
+    ps = prompts([6, 21, 33], seed=6)
+    cfg = SamplingConfig(max_new_tokens=40, temperature=0.0)
+    a, b = graph.generate(ps, cfg), eager.generate(ps, cfg)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    remove_segment_ki(model)   # peft's own forward from here
+    for r, p in enumerate(ps):
+        follows_a_plain_forward(model, p, a.completion_ids[r], a.logprobs[r], torch.ones(40, dtype=torch.bool,
+                                                                                          device="cuda"))
 
 
 def test_logprobs_match_a_plain_forward_within_bf16_tolerance(tmp_path):
