@@ -1,12 +1,14 @@
 """Multi-turn rollout throughput against a single turn of the same total length (random bf16 weights, one GPU).
 
     python benchmarks/turns.py --out DIR [--model 0.8b] [--rows 64] [--turns 3] [--turn-tokens 128]
-        [--observation-tokens 32]
+        [--observation-tokens 32] [--stagger 0]
 
 Random weights never emit EOS on cue, so the benchmark's engine forces one at each turn's last completion index
 (``turn_tokens`` model tokens a turn, then ``observation_tokens`` appended by ``respond``): every row ends its
 turns at the same steps, as a batch of fixed-length turns would. The single-turn run generates
-``turns * turn_tokens + (turns - 1) * observation_tokens`` tokens a row with no EOS. Throughput is the model's
+``turns * turn_tokens + (turns - 1) * observation_tokens`` tokens a row with no EOS. ``--stagger S``: row r ends
+each turn but the last ``(r * 7 + j) % S`` tokens early (its next turn that much longer, the row's total the same),
+so rows end their turns at different steps and each end costs the host an answer on its own. Throughput is the model's
 tokens over the wall time of the whole call (the prompts' prefill, the decode steps that also feed the
 observations, and ``respond``).
 """
@@ -29,14 +31,15 @@ EOS = 7
 
 
 class TurnEndEngine(RolloutEngine):
-    """Samples EOS at the given completion indices (a [K] device tensor), inside the captured step too."""
+    """Samples EOS at each row's given completion indices (a [B, K] device tensor), inside the captured step too."""
 
     ends: torch.Tensor | None = None
 
     def _sample(self, logits, st, procs=(False, False)):
         tok, lp = super()._sample(logits, st, procs)
         if self.ends is not None:
-            tok = torch.where(torch.isin(st.offset, self.ends), torch.full_like(tok, EOS), tok)
+            hit = (st.offset[:, None] == self.ends[:len(tok)]).any(-1)                        # [B]
+            tok = torch.where(hit, torch.full_like(tok, EOS), tok)
         return tok, lp
 
 
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-tokens", type=int, default=128)
     ap.add_argument("--observation-tokens", type=int, default=32)
+    ap.add_argument("--stagger", type=int, default=0, help="rows end their turns up to this many tokens apart")
     args = ap.parse_args()
     from transformers import Qwen3_5ForCausalLM
 
@@ -82,13 +86,16 @@ def main() -> None:
     rows.append(dict(run="single turn", rows=args.rows, tokens_per_row=total, model_tokens=model_tokens,
                      wall_s=round(wall, 4), tok_s=round(model_tokens / wall, 1),
                      decode_s=round(single.stats.decode_s, 4), prefill_s=round(single.stats.prefill_s, 4)))
-    # turn j ends at completion index (j + 1) * t + j * o - 1
-    engine.ends = torch.tensor([(j + 1) * t + j * o - 1 for j in range(k)], device="cuda")
+    # turn j ends at completion index (j + 1) * t + j * o - 1, less the row's stagger (its last turn never)
+    early = lambda r, j: (r * 7 + j) % args.stagger if args.stagger and j < k - 1 else 0   # noqa: E731
+    engine.ends = torch.tensor([[(j + 1) * t + j * o - 1 - early(r, j) for j in range(k)] for r in range(args.rows)],
+                               device="cuda")
     respond = lambda rs, c: [observation[r] for r in rs]   # noqa: E731
     wall, multi = timed(lambda: engine.generate_turns(prompts, sampling, respond, max_turns=k))
     model_tokens = int((multi.completion_mask * multi.tool_mask).sum())
     s = multi.stats
-    rows.append(dict(run=f"{k} turns of {t} + {o}-token observations", rows=args.rows, tokens_per_row=total,
+    stagger = f", ends up to {args.stagger - 1} tokens apart" if args.stagger else ""
+    rows.append(dict(run=f"{k} turns of {t} + {o}-token observations{stagger}", rows=args.rows, tokens_per_row=total,
                      model_tokens=model_tokens, wall_s=round(wall, 4), tok_s=round(model_tokens / wall, 1),
                      decode_s=round(s.decode_s, 4), prefill_s=round(s.prefill_s, 4), respond_s=round(s.respond_s, 4),
                      steps=s.steps, turns_min=int(multi.turns.min()), turns_max=int(multi.turns.max())))
