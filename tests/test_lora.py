@@ -163,6 +163,23 @@ def test_lora_layers_run_in_the_fused_segments_and_equal_peft(tmp_path):
     assert not [r for rs in report.skipped.values() for r in rs]
 
 
+def test_lora_dropout_runs_fused_and_is_off_in_rollouts(tmp_path):
+    """With lora_dropout > 0 the segments stay fused (peft's dropout module sits in the low-rank path): in eval
+    mode (rollouts, log-prob passes) the injected model equals peft's forward; in training mode dropout acts."""
+    from segki_lightning import apply_segment_ki
+
+    peft_model, model = lora_policy(tmp_path, lora_dropout=0.3)
+    ids = torch.randint(2, 50, (2, 9))
+    model.eval()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        report = apply_segment_ki(model)
+        assert not [r for rs in report.skipped.values() for r in rs]
+        torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+        model.train()
+        assert not torch.allclose(model(input_ids=ids).logits, want, atol=1e-3)
+
+
 def test_a_lora_variant_stays_unfused_and_is_named(tmp_path):
     """DoRA (a LoRA variant the segments do not run): its MLPs are left to peft, one report line each, and the
     model's outputs are peft's."""

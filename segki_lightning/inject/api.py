@@ -266,7 +266,8 @@ def _segment_error(s: _Segment, record: tuple) -> float | None:
         if tables is None:
             return float("nan")
         try:
-            err = attention_decode_error(s.owner, spec, tables)
+            with _eval_no_grad(s.owner):   # as the recorded call: no dropout (attention's, an adapter's)
+                err = attention_decode_error(s.owner, spec, tables)
         except Exception as exc:  # a model whose attention code our probe cache cannot serve
             log.warning("segki: attention decode probe failed on %s (%s)", s.name, exc)
             return float("nan")

@@ -127,8 +127,9 @@ def follows_a_plain_forward(model, prompt: list[int], got, logprobs, own) -> Non
 
 def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path):
     """LoRA on every projection (non-zero adapters, fp32 as peft keeps them over a bf16 base) inside the captured
-    fused decode: no segment left to peft, graph == eager, and each row follows peft's own forward (the model
-    with its adapters, unfused) within bf16 tolerance."""
+    fused decode: no segment left to peft, graph == eager, an optimizer step on the adapters reaches the captured
+    graph without a recapture, and each row follows peft's own forward (the model with its adapters, unfused)
+    within bf16 tolerance."""
     from segki_lightning.rl.lora import apply_lora
 
     model = cuda_model(tmp_path, seed=6)
@@ -144,10 +145,19 @@ def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path):
     cfg = SamplingConfig(max_new_tokens=40, temperature=0.0)
     a, b = graph.generate(ps, cfg), eager.generate(ps, cfg)
     assert torch.equal(a.completion_ids, b.completion_ids)
+    opt = torch.optim.SGD([p for n, p in model.named_parameters() if "lora_" in n], lr=0.5)
+    x = torch.randint(2, 1024, (2, 20), device="cuda")
+    model.train()
+    model(input_ids=x, labels=x, use_cache=False).loss.backward()
+    opt.step()
+    model.eval()
+    after = graph.generate(ps, cfg)   # the captured graph reads the adapters the step updated in place
+    assert graph.captures == 1 and not torch.equal(after.completion_ids, a.completion_ids)
+    assert torch.equal(after.completion_ids, eager.generate(ps, cfg).completion_ids)
     remove_segment_ki(model)   # peft's own forward from here
     for r, p in enumerate(ps):
-        follows_a_plain_forward(model, p, a.completion_ids[r], a.logprobs[r], torch.ones(40, dtype=torch.bool,
-                                                                                          device="cuda"))
+        follows_a_plain_forward(model, p, after.completion_ids[r], after.logprobs[r],
+                                torch.ones(40, dtype=torch.bool, device="cuda"))
 
 
 def test_logprobs_match_a_plain_forward_within_bf16_tolerance(tmp_path):
