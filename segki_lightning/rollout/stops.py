@@ -11,6 +11,8 @@ from typing import Protocol
 
 import torch
 
+from .host import HostCopy
+
 CHECK_TOKENS = 16   # decode steps between two checks: the engine's CHECK_EVERY (the first check also sees the
                     # token sampled from the prefill: CHECK_TOKENS + 1 new tokens)
 
@@ -42,22 +44,16 @@ class StopStrings:
 
 class Tails:
     """Rows ``[0, n)``'s finished flags and last ``window`` completion tokens (before index ``offset``), copied to
-    the host behind the work queued so far, read later (``read`` waits for that copy only)."""
+    the host behind the work queued so far (:class:`.host.HostCopy`) and checked later."""
 
     def __init__(self, st, n: int, window: int):
         cols = st.offset[:n, None] - window + torch.arange(window, device=st.offset.device)   # [N, W]
-        self.keep = (cols >= 0).to("cpu", non_blocking=True)
-        self.tails = st.out_tokens[:n].gather(1, cols.clamp_min(0)).to("cpu", non_blocking=True)   # [N, W]
-        self.finished = st.finished[:n].to("cpu", non_blocking=True)                                 # [N]
-        self.event = torch.cuda.Event() if st.offset.is_cuda else None
-        if self.event is not None:
-            self.event.record()
+        self.copy = HostCopy(st.finished[:n], st.out_tokens[:n].gather(1, cols.clamp_min(0)), cols >= 0)
 
     def stopped(self, stop: StopCheck) -> tuple[list[int], bool]:
         """The running rows ``stop`` names, and whether every row is then finished."""
-        if self.event is not None:
-            self.event.synchronize()
-        running = (~self.finished).nonzero()[:, 0].tolist()
-        hit = list(stop([self.tails[r][self.keep[r]].tolist() for r in running])) if running else []
+        finished, tails, keep = self.copy.get()                                  # [N], [N, W], [N, W]
+        running = (~finished).nonzero()[:, 0].tolist()
+        hit = list(stop([tails[r][keep[r]].tolist() for r in running])) if running else []
         rows = [r for r, h in zip(running, hit) if h]
         return rows, len(rows) == len(running)

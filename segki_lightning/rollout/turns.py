@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .host import HostCopy
+
 if TYPE_CHECKING:
     from .batch import RolloutStats
     from .config import SamplingConfig
@@ -30,28 +32,6 @@ if TYPE_CHECKING:
 StepKind = tuple[bool, bool, bool]
 # respond(rows, completions) -> per row: tokens to append, or None to end the row
 Respond = Callable[[list[int], list[list[int]]], Sequence[Sequence[int] | None]]
-
-
-class FinishedFlags:
-    """The rows' ``finished [N]`` flags copied to the host after a step and read after the next one is launched
-    (CUDA: a pinned buffer, a non-blocking copy and an event, so the read waits for the earlier step only)."""
-
-    def __init__(self, finished: torch.Tensor):
-        self.src, cuda = finished, finished.is_cuda
-        self.buf = torch.empty(finished.shape, dtype=torch.bool, pin_memory=cuda)
-        self.event = torch.cuda.Event() if cuda else None
-
-    def record(self) -> None:
-        """Copy the flags as they will be once the work queued so far has run."""
-        self.buf.copy_(self.src, non_blocking=self.event is not None)
-        if self.event is not None:
-            self.event.record()
-
-    def read(self) -> torch.Tensor:
-        """The last recorded copy (taken before the next ``record`` overwrites it)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.buf.clone()
 
 
 def run_turns(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig, respond: Respond,
@@ -65,18 +45,17 @@ def run_turns(engine: RolloutEngine, prompts: list[list[int]], sampling: Samplin
     appended = torch.zeros(n_rows, budget, dtype=torch.bool)                       # [N, T] host
     turns = torch.ones(n_rows, dtype=torch.long)
     ended = torch.zeros(n_rows, dtype=torch.bool)                                   # [N] host: no more turns
-    flags = FinishedFlags(st.finished)
-    flags.record()                                                                  # after the prefill's token
+    flags = HostCopy(st.finished)                                                   # after the prefill's token
     t0, respond_s = time.perf_counter(), stats.respond_s
     # every step moves every row's completion index on by one, and a row ends at its budget: budget + 1 steps
     # (the last row's end is read one step late) bound the loop
     while not bool(ended.all()) and stats.steps <= budget:
         stats.steps += engine._replay(bucket, kind, 1)
-        new = (flags.read() & ~ended).nonzero()[:, 0]                     # finished one step ago
+        new = (flags.get()[0] & ~ended).nonzero()[:, 0]                   # finished one step ago
         if len(new):
             answer_rows(engine, new.tolist(), prompts, sampling, respond, max_turns, appended, turns, ended,
                         stats)
-        flags.record()   # after the answers: a continuing row reads as running again
+        flags = HostCopy(st.finished)   # after this step and the answers: a continuing row reads as running
     stats.decode_s += time.perf_counter() - t0 - (stats.respond_s - respond_s)
     stats.turns = int(turns.max())
     return (~appended).long().to(engine.device), turns.to(engine.device)
