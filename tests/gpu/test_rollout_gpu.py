@@ -125,14 +125,21 @@ def follows_a_plain_forward(model, prompt: list[int], got, logprobs, own) -> Non
     assert (logprobs[own] - want[own]).abs().mean() < 0.15
 
 
-def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path):
+# the Qwen3.5-0.8B layer widths (four layers, a small vocabulary)
+WIDTHS_08B = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                  linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                  linear_value_head_dim=128)
+
+
+@pytest.mark.parametrize("widths", [{}, WIDTHS_08B], ids=["small", "0.8b-widths"])
+def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path, widths):
     """LoRA on every projection (non-zero adapters, fp32 as peft keeps them over a bf16 base) inside the captured
     fused decode: no segment left to peft, graph == eager, an optimizer step on the adapters reaches the captured
     graph without a recapture, and each row follows peft's own forward (the model with its adapters, unfused)
     within bf16 tolerance."""
     from segki_lightning.rl.lora import apply_lora
 
-    model = cuda_model(tmp_path, seed=6)
+    model = cuda_model(tmp_path, seed=6, **widths)
     peft_model = apply_lora(model, r=8, lora_alpha=16)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
