@@ -37,7 +37,8 @@
 #   canon_decode benchmarks/decode.py, ours and graph only at 1, 16, 32 and 64 rows, transformers' eager generate
 #           at 1 and static cache + compile at 1 and 16 ($out/decode.json; ~9 minutes on a fresh H100, ~3 of them
 #           transformers' compiles per model)
-#   canon_train  benchmarks/grpo_gpu.py, segki, each case of readme_tables.CANONICAL_CASES
+#   canon_train  benchmarks/grpo_gpu.py, segki, each case of readme_tables.CANONICAL_CASES, or those CANON_CASES
+#           names (space-separated: the four take ~10 minutes on a fresh machine, more than one call's limit)
 #           ($out/train/<case>/grpo_gpu.json)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
 #   ddp4b   benchmarks/grpo_gpu.py, 4B shape on 2 GPUs under DDP, 10 steps, a dense reward and a KL term
@@ -160,7 +161,8 @@ for stage in "${stages[@]}"; do
              grep -E "^\| (4b|0.8b)" "$out/decode.md" | cut -d'|' -f2-6 ;;
     canon_train)
              mkdir -p "$out/train"
-             for case in $(cd benchmarks && python3 -c "import readme_tables; print(*readme_tables.CANONICAL_CASES)"); do
+             cases=${CANON_CASES:-$(cd benchmarks && python3 -c "import readme_tables; print(*readme_tables.CANONICAL_CASES)")}
+             for case in $cases; do
                python3 benchmarks/grpo_gpu.py --out "$out/train/${case//:/_}" --cases "$case" --runs segki \
                  --segki-steps 6 --warm 2 > "$out/train/${case//:/_}.log" 2>&1
                tail -1 "$out/train/${case//:/_}.log" | cut -c1-200
