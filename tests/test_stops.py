@@ -77,3 +77,15 @@ def test_a_grpo_rollout_with_stop_strings_stops_early_and_cuts_at_the_stop(tmp_p
     assert all(isinstance(s, StopStrings) for s, _, _ in seen)
     assert all(steps < t - 1 for _, steps, t in seen)        # no rollout ran to the length
     assert metrics["train/completion_length"] < 60
+
+
+def test_a_host_copy_is_the_state_when_it_was_taken():
+    """rollout/host.py: what the stop check and the turns loop read later is a copy, not the live tensor (on CPU a
+    tensor's .to('cpu') would be the tensor itself)."""
+    from segki_lightning.rollout.host import HostCopy
+
+    flags, tokens = torch.zeros(4, dtype=torch.bool), torch.arange(8).view(4, 2)
+    copy = HostCopy(flags, tokens)
+    flags[1], tokens[0, 0] = True, 99
+    got_flags, got_tokens = copy.get()
+    assert not got_flags.any() and got_tokens[0, 0] == 0
