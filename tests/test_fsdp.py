@@ -30,17 +30,29 @@ def exported(folder) -> dict[str, torch.Tensor]:
     return load_file(folder / "export" / "model.safetensors")
 
 
+# the settings of the 3-step runs compared with DDP and with a resumed run (a constant schedule: a linear one's
+# horizon is max_steps, which the resumed run's first part changes)
+SHARED = ["algo.learning_rate=3e-4", "algo.lr_scheduler_type=constant", "checkpoint.every_n_train_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_grpo(tmp_path_factory):
+    """The 3-step FSDP GRPO run that the DDP comparison and the resume test both read (each 2-process run costs
+    ~10 s)."""
+    folder = tmp_path_factory.mktemp("fsdp_grpo")
+    return recipe(folder, "trainer.strategy=fsdp", *SHARED, f"export_dir={folder / 'export'}")
+
+
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
-def test_fsdp_trains_the_same_weights_as_ddp(tmp_path, name):
+def test_fsdp_trains_the_same_weights_as_ddp(tmp_path, name, fsdp_grpo):
     """3 steps of the recipe, fp32: every exported tensor within 1e-6 of DDP's, the weights moved, and the export
     is a normal transformers folder (one copy of a tied weight). The two reduce gradients in different orders;
     AdamW divides by a gradient's running RMS, so where a gradient is ~0 that rounding noise moves a weight by up
     to ~lr: at the recipe's 3e-3 PPO's value-driven updates differ by up to 2.8e-6 after 3 steps, hence 3e-4."""
-    lr = "algo.learning_rate=3e-4"
-    ddp = recipe(tmp_path / "ddp", "trainer.strategy=ddp", lr, f"export_dir={tmp_path / 'ddp' / 'export'}",
+    ddp = recipe(tmp_path / "ddp", "trainer.strategy=ddp", *SHARED, f"export_dir={tmp_path / 'ddp' / 'export'}",
                  name=name)
-    fsdp = recipe(tmp_path / "fsdp", "trainer.strategy=fsdp", lr, f"export_dir={tmp_path / 'fsdp' / 'export'}",
-                  name=name)
+    fsdp = fsdp_grpo if name == "grpo" else recipe(tmp_path / "fsdp", "trainer.strategy=fsdp", *SHARED,
+                                                   f"export_dir={tmp_path / 'fsdp' / 'export'}", name=name)
     want, got = exported(ddp), exported(fsdp)
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -54,16 +66,13 @@ def test_fsdp_trains_the_same_weights_as_ddp(tmp_path, name):
     AutoModelForCausalLM.from_pretrained(fsdp / "export")   # loads with the library's own code
 
 
-def test_fsdp_resumes_exactly_from_its_sharded_checkpoint(tmp_path):
-    """2 steps + resume + 1 step == 3 steps, bit for bit (a constant schedule: a linear one's horizon is
-    max_steps, which a longer resumed run changes). Each rank wrote its own shard of the checkpoint."""
-    common = ["trainer.strategy=fsdp", "checkpoint.every_n_train_steps=1", "algo.lr_scheduler_type=constant"]
-    straight = recipe(tmp_path / "straight", *common, f"export_dir={tmp_path / 'straight' / 'export'}")
-    part = recipe(tmp_path / "resumed", *common, "trainer.max_steps=2")
+def test_fsdp_resumes_exactly_from_its_sharded_checkpoint(tmp_path, fsdp_grpo):
+    """2 steps + resume + 1 step == 3 steps, bit for bit. Each rank wrote its own shard of the checkpoint."""
+    part = recipe(tmp_path / "resumed", "trainer.strategy=fsdp", *SHARED, "trainer.max_steps=2")
     last = part / "checkpoints" / "last.ckpt"
     assert last.is_dir() and len(list(last.glob("*.distcp"))) == 2
-    recipe(part, *common, f"ckpt_path={last}", f"export_dir={part / 'export'}")
-    want, got = exported(straight), exported(part)
+    recipe(part, "trainer.strategy=fsdp", *SHARED, f"ckpt_path={last}", f"export_dir={part / 'export'}")
+    want, got = exported(fsdp_grpo), exported(part)
     for key, value in want.items():
         assert torch.equal(got[key], value), key
 
