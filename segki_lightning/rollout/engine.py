@@ -65,11 +65,6 @@ class _DecodeState:
     def rows(self, n: int) -> "_DecodeState":
         return _DecodeState(0, 0, None, _views={k: None if v is None else v[:n] for k, v in self.__dict__.items()})
 
-    def select(self, index: Tensor) -> "_DecodeState":
-        """Copies of rows ``index [R]`` (a gather, not views): the per-row settings of a subset to sample."""
-        return _DecodeState(0, 0, None, _views={k: None if v is None else v.index_select(0, index)
-                                                for k, v in self.__dict__.items()})
-
 
 class RolloutEngine:
     """Generate completions for batches of variable-length prompts with CUDA-graph decode.
@@ -133,9 +128,10 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int] | Tensor], sampling: SamplingConfig,
                  stop: StopCheck | None = None) -> RolloutBatch:
         """Generate ``sampling.n`` completions per prompt; see :class:`RolloutBatch` for the layout. ``stop``:
-        a check run every CHECK_EVERY decode steps on the last ``stop.window`` tokens of each running row
-        (``stop(tails) -> [bool]``); rows it names finish there, so that the loop ends when every row has (the
-        caller cuts each row at its stop: a few tokens past it are generated, as they would be without a stop)."""
+        a check of the last ``stop.window`` tokens of each running row (``stop(tails) -> [bool]``), copied every
+        CHECK_EVERY decode steps and run while the next CHECK_EVERY decode; rows it names finish after those, so
+        that the loop ends when every row has (the caller cuts each row at its stop: the tokens generated past
+        it are those the row would draw without a stop)."""
         return self._run(prompts, sampling, stop=stop)
 
     @torch.no_grad()
@@ -336,11 +332,19 @@ class RolloutEngine:
 
     def _prefill(self, prompts: list[list[int]], groups: list[list[int]], sampling: SamplingConfig,
                  st: _DecodeState, cache: StaticHybridCache, ptrs: tuple[int, ...]) -> None:
-        """Prefill the prompts (in ``groups``), copy each prompt's state into its n rows, then sample every row's
-        first token from its prompt's last logits in one call."""
+        """Prefill each group (:class:`~segki_lightning.rollout.prefill.Prefiller`), copy each prompt's state
+        into its n rows, then sample every row's first token from its prompt's last logits in one call."""
         n = sampling.n
-        first = self._prefill_rows(prompts, [range(i * n, (i + 1) * n) for i in range(len(prompts))],
-                                   len(prompts) * n, cache, ptrs, groups)               # [N, V]
+        first = None                                                                    # [N, V]
+        for group in groups:
+            out = self.prefiller([prompts[i] for i in group], ptrs)
+            index = torch.tensor([[j, i * n + k, out.pads[j], len(prompts[i])]
+                                  for j, i in enumerate(group) for k in range(n)]).T.to(self.device)  # [4, g*n]
+            src, rows, pads, lengths = index
+            cache.load_prompts(out.cache, src, rows, pads, lengths)
+            if first is None:
+                first = out.logits.new_empty(len(prompts) * n, out.logits.shape[1])
+            first.index_copy_(0, rows, out.logits.index_select(0, src))
         procs = sampling.processors
         if procs[0]:   # each row has seen its prompt
             mark_seen(st.seen, [p for p in prompts for _ in range(n)])
@@ -350,25 +354,6 @@ class RolloutEngine:
             remember(st.seen, tok, ~st.finished, st.anchor)
         self._record(st, tok, lp)
         st.offset.add_(1)
-
-    def _prefill_rows(self, seqs: list[list[int]], targets: Sequence[Sequence[int]], n_rows: int,
-                      cache: StaticHybridCache, ptrs: tuple[int, ...], groups: list[list[int]] | None = None
-                      ) -> Tensor:
-        """Prefill ``seqs`` in ``groups`` of indices (default: :meth:`_prefill_groups`) with the
-        :class:`~segki_lightning.rollout.prefill.Prefiller` and load sequence i's state into each cache row of
-        ``targets[i]``, at positions ``[0, len(seqs[i]))``; returns the last logits ``[n_rows, V]`` by row (rows
-        not targeted: undefined)."""
-        first = None
-        for group in groups or self._prefill_groups(seqs):
-            out = self.prefiller([seqs[i] for i in group], ptrs)
-            index = torch.tensor([[j, r, out.pads[j], len(seqs[i])]
-                                  for j, i in enumerate(group) for r in targets[i]]).T.to(self.device)  # [4, rows]
-            src, rows, pads, lengths = index
-            cache.load_prompts(out.cache, src, rows, pads, lengths)
-            if first is None:
-                first = out.logits.new_empty(n_rows, out.logits.shape[1])
-            first.index_copy_(0, rows, out.logits.index_select(0, src))
-        return first
 
     # ------------------------------------------------------------------------------------------ decode
     def _record(self, st: _DecodeState, tok: Tensor, lp: Tensor, rows=slice(None), lengths: Tensor | None = None

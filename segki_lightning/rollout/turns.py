@@ -73,8 +73,8 @@ def answer_rows(engine: RolloutEngine, rows: list[int], prompts: list[list[int]]
     last = ids.gather(1, (lengths - 1).clamp_min(0)[:, None])[:, 0]
     at_eos = (lengths > 0) & (lengths < budget) & torch.isin(last, torch.tensor(engine.eos or [-1]))
     asked = [i for i, r in enumerate(rows) if at_eos[i] and turns[r] < max_turns]
-    for i, r in enumerate(rows):
-        ended[r] = i not in asked
+    ended[rows] = True
+    ended[[rows[i] for i in asked]] = False
     if not asked:
         return
     t0 = time.perf_counter()
