@@ -1,5 +1,5 @@
 """FSDP2 (Lightning's ModelParallelStrategy, ``trainer.strategy=fsdp``) on 2 CPU processes over gloo: the same
-weights as DDP after 3 steps, an exact resume from the sharded checkpoint, and -- in one process -- the gathered
+weights as DDP after 3 steps (both runs' ranks identical, metrics logged once a step), an exact resume from the sharded checkpoint, and -- in one process -- the gathered
 rollout weights: equal to the shards' full tensors, swapped in with FSDP's hooks set aside, refilled in place (the
 pointers a captured graph holds stay valid), everything restored afterwards."""
 from __future__ import annotations
@@ -53,6 +53,11 @@ def test_fsdp_trains_the_same_weights_as_ddp(tmp_path, name, fsdp_grpo):
                  name=name)
     fsdp = fsdp_grpo if name == "grpo" else recipe(tmp_path / "fsdp", "trainer.strategy=fsdp", *SHARED,
                                                    f"export_dir={tmp_path / 'fsdp' / 'export'}", name=name)
+    for run in (ddp, fsdp):   # the ranks kept identical weights; metrics logged once a step (rank zero)
+        check = json.loads((run / "logs" / "rank_consistency.json").read_text())
+        assert check["world_size"] == 2 and check["identical"], check
+        lines = (run / "logs" / "metrics.csv").read_text().splitlines()
+        assert "train/reward" in lines[0] and len(lines) == 4   # header + 3 steps
     want, got = exported(ddp), exported(fsdp)
     assert got.keys() == want.keys()
     for key, value in want.items():
@@ -60,7 +65,6 @@ def test_fsdp_trains_the_same_weights_as_ddp(tmp_path, name, fsdp_grpo):
     rows = list(csv.DictReader(open(fsdp / "logs" / "metrics.csv")))
     assert any(float(r.get("train/grad_norm") or 0) > 0 and float(r.get("train/learning_rate") or 0) > 0
                for r in rows), "no step changed the weights"
-    assert json.loads((fsdp / "logs" / "rank_consistency.json").read_text())["identical"]
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(fsdp / "export")   # loads with the library's own code
