@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import qwen35_config, write_results  # noqa: E402
 
+from segki_lightning.ops import train_fused  # noqa: E402
 from segki_lightning.rollout import RolloutStats  # noqa: E402
 
 SWITCHES = {"segki": "true", "off": "false"}
@@ -236,7 +237,7 @@ def main() -> None:
                              tokens=case.tokens, micro_batch=case.micro_batch or 8 * case.prompts,
                              params_b=round(params[case.shape] / 1e9, 2), returncode=rc, wall_s=round(wall, 1),
                              device=torch.cuda.get_device_name(),
-                             train_fused=os.environ.get("SEGKI_TRAIN_FUSED", "0") == "1")
+                             train_fused=train_fused.enabled())
                     if rc == 0:
                         r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape], devices))
                     else:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 from collections import defaultdict
@@ -38,6 +37,28 @@ FAMILIES = [
 def family(name: str) -> str:
     low = name.lower()
     return next((f for f, pat in FAMILIES if re.search(pat, low)), "other")
+
+
+def gpu_kernels(prof) -> dict[str, list]:
+    """GPU kernel name -> [launches, ms] of a profile."""
+    kernels = defaultdict(lambda: [0, 0.0])
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if e.device_type == torch.autograd.DeviceType.CUDA and us > 0 and e.key:
+            kernels[e.key][0] += e.count
+            kernels[e.key][1] += us / 1e3
+    return kernels
+
+
+def aten_ops(prof, top: int = 40) -> list[dict]:
+    """The PyTorch ops whose own kernels take the most GPU time, per input shapes: which call of the model's code a
+    kernel family comes from (a copy of [33k, 16, 128] fp32 is a different fix from one of [33k, 1024])."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if e.key.startswith("aten::") and us > 0:
+            rows.append(dict(op=e.key, shapes=str(e.input_shapes)[:200], calls=e.count, ms=round(us / 1e3, 2)))
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
 
 
 def batch(rows: int, tokens: int, mixed: bool, vocab: int, gen: torch.Generator):
@@ -67,6 +88,7 @@ def main() -> None:
     from transformers import Qwen3_5ForCausalLM
 
     from segki_lightning.inject import apply_segment_ki
+    from segki_lightning.ops import train_fused
     from segki_lightning.ops.gdn_chunk import training_path
     from segki_lightning.rl.flops import FlopShape, peak_flops
     from segki_lightning.rl.logprobs import completion_logprobs
@@ -105,15 +127,11 @@ def main() -> None:
     fwd_s, upd_s = timed(forward, False), timed(update, True)
     peak = torch.cuda.max_memory_allocated() / 2**30
     print(f"forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, peak {peak:.1f} GiB", flush=True)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         update()
         torch.cuda.synchronize()
-    kernels = defaultdict(lambda: [0, 0.0])
-    for e in prof.key_averages():
-        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0 and e.key and not e.key.startswith(("cudaLaunch", "cudaMemcpy", "ProfilerStep")):
-            kernels[e.key][0] += e.count
-            kernels[e.key][1] += us / 1e3
+    kernels, ops = gpu_kernels(prof), aten_ops(prof)
     total_ms = sum(ms for _, ms in kernels.values())
     fams = defaultdict(float)
     for name, (_, ms) in kernels.items():
@@ -127,16 +145,19 @@ def main() -> None:
                mfu=round(flops / upd_s / peak_tf, 3) if peak_tf else None, kernel_ms=round(total_ms, 1),
                families={f: round(ms, 1) for f, ms in sorted(fams.items(), key=lambda kv: -kv[1])},
                top=[dict(name=n[:160], calls=c, ms=round(ms, 2)) for n, (c, ms) in
-                    sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]])
+                    sorted(kernels.items(), key=lambda kv: -kv[1][1])[:40]],
+               ops=ops)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = f"{args.shape}_{args.rows}x{args.tokens}" + ("_ckpt" if args.ckpt else "") + ("_mixed" if args.mixed else "") \
-        + ("_pad" if args.padded else "") + ("_fused" if os.environ.get("SEGKI_TRAIN_FUSED") == "1" else "")
+        + ("_pad" if args.padded else "") + ("_fused" if train_fused.enabled() else "")
     (args.out / f"profile_train_{tag}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# {tag}: forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, MFU {res['mfu']}, peak {peak:.1f} GiB, "
              f"path {res['path']}, {res['device']}", "", "| family | ms | share |", "|---|---|---|"]
     lines += [f"| {f} | {ms:.1f} | {ms / total_ms:.1%} |" for f, ms in res["families"].items()]
     lines += ["", "| kernel | calls | ms |", "|---|---|---|"]
     lines += [f"| {k['name'][:110]} | {k['calls']} | {k['ms']} |" for k in res["top"][:30]]
+    lines += ["", "| PyTorch op (input shapes) | calls | own GPU ms |", "|---|---|---|"]
+    lines += [f"| {o['op']} {o['shapes'][:90]} | {o['calls']} | {o['ms']} |" for o in ops[:30]]
     (args.out / f"profile_train_{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

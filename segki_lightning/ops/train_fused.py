@@ -21,6 +21,7 @@ from torch import Tensor
 from .gdn_chunk import _fla_import_error
 
 SWITCH = "SEGKI_TRAIN_FUSED"
+DEFAULT = "0"
 # fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
 # compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
 # step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm (per
@@ -45,8 +46,12 @@ def active(*tensors: Tensor | None) -> bool:
     (no gradients, no scoring scope) answers at the first check."""
     present = [t for t in tensors if t is not None]
     training = _SCORING[0] > 0 or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
-    return (training and bool(present) and present[0].is_cuda and os.environ.get(SWITCH, "0") == "1"
-            and not _fla_import_error())
+    return training and bool(present) and present[0].is_cuda and enabled() and not _fla_import_error()
+
+
+def enabled() -> bool:
+    """Whether the switch asks for the fused kernels (``SEGKI_TRAIN_FUSED``, default ``DEFAULT``)."""
+    return os.environ.get(SWITCH, DEFAULT) == "1"
 
 
 def _norm_weight(weight: Tensor, unit_offset: bool) -> Tensor:
