@@ -4,7 +4,8 @@ backward, packed sequences included) wherever they give the right gradients, els
 fla raises in one backward kernel, the gated ``chunk_bwd_dqkwg`` (dq, dk, dw and dg of a chunk from its states),
 on Hopper with Triton in [3.4, 3.7.1): Triton miscompiles it there (fla issue 640). Every other fla kernel of the
 gated delta rule runs. :func:`chunk_bwd_dqkwg` below computes that one kernel's outputs with batched matrix products
-in torch, from the same inputs, and :func:`training_path` registers it as an fla backend on exactly that platform
+in torch (compiled on CUDA, so that its element-wise passes fuse around the products), from the same
+inputs, and :func:`training_path` registers it as an fla backend on exactly that platform
 (after fla's own TileLang backend, which fla prefers when ``tilelang`` is installed). The rest of the backward
 stays in fla's Triton kernels.
 
@@ -108,17 +109,28 @@ def chunk_bwd_dqkwg(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: 
     """
     if g is None or g_gamma is not None:
         raise ValueError("chunk_bwd_dqkwg here covers the gated case only (g given, no g_gamma)")
+    bsz, length = k.shape[:2]
+    pos, valid = chunk_positions(bsz, length, chunk_size, cu_seqlens, chunk_indices, k.device)
+    src = valid.reshape(-1).nonzero()[:, 0]                                             # one host sync
+    scale = k.shape[-1] ** -0.5 if scale is None else scale
+    return _math_on(k.device)(q, k, v, do, h, dh, w, g, dv, pos, valid, src, pos.reshape(-1)[src], scale,
+                              state_v_first)
+
+
+def _dqkwg_math(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: Tensor, w: Tensor | None, g: Tensor,
+                dv: Tensor | None, pos: Tensor, valid: Tensor, src: Tensor, dest: Tensor, scale: float,
+                state_v_first: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """:func:`chunk_bwd_dqkwg` past its one host sync: ``pos, valid [NC, BT]`` the chunks' tokens, ``src, dest
+    [M]`` the valid chunk slots and their tokens. No data-dependent shape, so that it compiles whole."""
     bsz, length, heads, kdim = k.shape
     hv = v.shape[2]
-    scale = kdim ** -0.5 if scale is None else scale
-    pos, valid = chunk_positions(bsz, length, chunk_size, cu_seqlens, chunk_indices, k.device)
     nc, bt = pos.shape
-    src = valid.reshape(-1).nonzero()[:, 0]                                             # one host sync
-    where = (src, pos.reshape(-1)[src])
+    where = (src, dest)
     group = hv // heads
+    acc = _acc(q)
     qc, kc = (_chunks(x, pos, valid).repeat_interleave(group, 1) for x in (q, k))        # [NC, HV, BT, K]
     vc, doc = _chunks(v, pos, valid), _chunks(do, pos, valid)                           # [NC, HV, BT, V]
-    gc = _chunks(g.to(_acc(q)), pos, valid)                                                 # [NC, HV, BT]
+    gc = _chunks(g.to(acc), pos, valid)                                                 # [NC, HV, BT]
     hs, dhs = (x.reshape(-1, hv, *x.shape[-2:])[:nc] for x in (h, dh))                  # [NC, HV, K, V]
     if state_v_first:
         hs, dhs = hs.transpose(-1, -2), dhs.transpose(-1, -2)
@@ -127,7 +139,6 @@ def chunk_bwd_dqkwg(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: 
     vmask = valid[:, None, :].float()                                                   # [NC, 1, BT]
     dq = _mm(doc, hs.transpose(-1, -2)) * (torch.exp2(gc) * scale)[..., None]           # [NC, HV, BT, K]
     dk = _mm(vc, dhs.transpose(-1, -2)) * (torch.exp2(g_last - gc) * vmask)[..., None]
-    acc = _acc(q)
     dg_last = (hs.to(acc) * dhs.to(acc)).sum((-1, -2)) * torch.exp2(g_last[..., 0]) + (dk * kc.to(acc)).sum((-1, -2))
     causal = torch.ones(bt, bt, dtype=torch.bool, device=k.device).tril()
     keep = causal & valid[:, None, :, None] & valid[:, None, None, :]                   # [NC, 1, BT, BT]
@@ -146,6 +157,30 @@ def chunk_bwd_dqkwg(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: 
     if group > 1:
         dq, dk = (x.view(bsz, length, heads, group, kdim).sum(3) for x in (dq, dk))
     return dq, dk, dw, _unchunk(dg, where, g.shape, acc)
+
+
+COMPILE_SWITCH = "SEGKI_DQKWG_COMPILE"
+_compiled: list = []   # [the compiled _dqkwg_math] once made; [] after a failure
+
+
+def _math_on(device: torch.device):
+    """:func:`_dqkwg_math` compiled on CUDA (its ~30 element-wise passes over fp32 chunk tensors fused around the
+    products: at the 0.8B shape ~25 GB of memory traffic a layer's backward eagerly), eager elsewhere, under
+    ``SEGKI_DQKWG_COMPILE=0``, or after compiling failed once (announced)."""
+    if device.type != "cuda" or os.environ.get(COMPILE_SWITCH, "1") == "0" or _compiled == [None]:
+        return _dqkwg_math
+    if not _compiled:
+        _compiled.append(torch.compile(_dqkwg_math, dynamic=True))
+
+    def run(*args):
+        try:
+            return _compiled[0](*args)
+        except Exception as err:   # a compiler stack that cannot build it: the eager function gives the same math
+            log.warning("segki: compiling the Gated-DeltaNet dq/dk/dw/dg failed (%s: %s); running it eagerly",
+                        type(err).__name__, str(err)[:200])
+            _compiled[:] = [None]
+            return _dqkwg_math(*args)
+    return run
 
 
 # fla's q/k L2 norm (width <= 512) keys its autotuning on ceil(rows / L2_BUCKET_ROWS): over a whole packed micro-batch

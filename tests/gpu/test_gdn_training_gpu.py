@@ -76,6 +76,34 @@ def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
     assert max(errors.values()) <= TOL[dtype], errors
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_compiled_dqkwg_equals_the_eager_one(shape):
+    """segki's dq/dk/dw/dg compiled (the default on CUDA) against the same function eager, bf16 packed rows at the
+    0.8B and 4B GDN shapes: the same products, only the element-wise passes fused (fp32 reduction order apart)."""
+    from segki_lightning.ops import gdn_chunk
+
+    hk, hv = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    rand = lambda *s, dtype=torch.bfloat16: torch.randn(*s, device="cuda", generator=gen).to(dtype)   # noqa: E731
+    lengths = [300, 64, 1, 517, 130]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    t = sum(lengths)
+    pos, valid = gdn_chunk.chunk_positions(1, t, 64, cu, None, torch.device("cuda"))
+    nc = pos.shape[0]
+    q, k = (torch.nn.functional.normalize(rand(1, t, hk, 128).float(), dim=-1).bfloat16() for _ in range(2))
+    v, do, dv, w = (rand(1, t, hv, 128) for _ in range(4))
+    h, dh = (rand(nc, hv, 128, 128) * 0.1 for _ in range(2))
+    g = -torch.rand(1, t, hv, device="cuda", generator=gen).cumsum(1) * 0.02
+    src = valid.reshape(-1).nonzero()[:, 0]
+    args = (q, k, v, do, h, dh, w, g, dv, pos, valid, src, pos.reshape(-1)[src], 128 ** -0.5, False)
+    want = gdn_chunk._dqkwg_math(*args)
+    got = gdn_chunk._math_on(q.device)(*args)
+    assert gdn_chunk._compiled and gdn_chunk._compiled[0] is not None, "the compiled function fell back to eager"
+    for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel(a, b) <= 1e-2, (name, rel(a, b))
+
+
 def test_a_grpo_step_packed_equals_padded_at_the_0_8b_shape():
     """Four layers of the Qwen3.5-0.8B shape (3 GDN + 1 attention, segki injected), five rows of 38-600 real
     tokens: the packed bf16 pass's log-probs and GRPO-loss parameter gradients against the padded one's, each judged
