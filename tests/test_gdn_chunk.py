@@ -89,36 +89,3 @@ def test_chunk_positions_packed_and_padding_rows():
     pos, valid = chunk_positions(1, 20, 8, cu, idx, torch.device("cpu"))
     assert valid.sum(1).tolist() == [3, 8, 0]
 
-
-def test_l2norm_rows_slices_fla_norm_and_its_gradient(monkeypatch):
-    """The sliced q/k norm (fla's kernels stood in by torch ones here) equals one L2 norm over the whole tensor, in
-    values and gradients, whether the rows fill one slice, several, or end in a partial one."""
-    import sys
-    import types
-
-    from segki_lightning.ops import gdn_chunk
-
-    calls = []
-
-    def fwd(x, eps=1e-6):                                                   # fla's l2norm_fwd: (y, rstd)
-        calls.append(x.shape[0])
-        rstd = torch.rsqrt((x.double() ** 2).sum(-1) + eps)
-        return (x.double() * rstd[:, None]).to(x.dtype), rstd             # fp32 rstd in fla; fp64 here
-
-    def bwd(y, rstd, dy, eps=1e-6):                                         # fla's l2norm_bwd
-        r = rstd.double()[:, None]
-        return (dy * r - (dy * y).sum(-1, keepdim=True) * y * r).to(y.dtype)
-
-    monkeypatch.setitem(sys.modules, "fla.modules.l2norm", types.SimpleNamespace(l2norm_fwd=fwd, l2norm_bwd=bwd))
-    monkeypatch.setattr(gdn_chunk, "L2_BUCKET_ROWS", 8)
-    for tokens in (2, 4, 5):                                                # 8, 16 and 20 rows of [1, T, 4, 16]
-        calls.clear()
-        x = torch.randn(1, tokens, 4, 16, dtype=torch.float64, requires_grad=True)
-        gy = torch.randn_like(x)
-        got = gdn_chunk.l2norm_rows(x)
-        (gx,) = torch.autograd.grad(got, x, gy)
-        want = x / torch.sqrt((x ** 2).sum(-1, keepdim=True) + 1e-6)
-        (wx,) = torch.autograd.grad(want, x, gy)
-        assert calls == [8] * (tokens * 4 // 8) + ([tokens * 4 % 8] if tokens * 4 % 8 else [])
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(gx, wx, rtol=1e-10, atol=1e-12)

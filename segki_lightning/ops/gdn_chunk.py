@@ -183,42 +183,6 @@ def _math_on(device: torch.device):
     return run
 
 
-# fla's q/k L2 norm (width <= 512) keys its autotuning on ceil(rows / L2_BUCKET_ROWS): over a whole packed micro-batch
-# each new bucket of token counts tunes anew (up to nine at 32 rows x 1024 tokens x 16 heads, ~25 s each on a
-# fresh machine, measured); slices of at most this many rows always fall in the first bucket.
-L2_BUCKET_ROWS = 2048 * 32
-
-
-class L2NormRows(torch.autograd.Function):
-    """fla's L2 norm of ``x [..., D]`` over its last dim, in slices of at most :data:`L2_BUCKET_ROWS` rows: the same
-    kernels row for row as fla's in-kernel q/k norm of the chunk rule, one autotuning for every token count."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, eps: float) -> Tensor:
-        from fla.modules.l2norm import l2norm_fwd
-
-        rows = x.reshape(-1, x.shape[-1])                                                  # [N, D]
-        parts = [l2norm_fwd(part, eps) for part in rows.split(L2_BUCKET_ROWS)]
-        y, rstd = (p[0] if len(parts) == 1 else torch.cat(p) for p in zip(*parts))       # [N, D], [N] fp32
-        ctx.save_for_backward(y, rstd)
-        ctx.eps = eps
-        return y.view(x.shape)
-
-    @staticmethod
-    def backward(ctx, dy: Tensor) -> tuple[Tensor, None]:
-        from fla.modules.l2norm import l2norm_bwd
-
-        y, rstd = ctx.saved_tensors
-        dys = dy.reshape(y.shape).contiguous().split(L2_BUCKET_ROWS)
-        dx = [l2norm_bwd(a, r, d, ctx.eps) for a, r, d in zip(y.split(L2_BUCKET_ROWS), rstd.split(L2_BUCKET_ROWS), dys)]
-        return (dx[0] if len(dx) == 1 else torch.cat(dx)).view(dy.shape), None
-
-
-def l2norm_rows(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim in x's dtype (fla's q/k norm; see :class:`L2NormRows`)."""
-    return L2NormRows.apply(x, eps)
-
-
 def _fla_refuses() -> bool:
     """fla's gated backward refuses this platform: Hopper with Triton in [3.4, 3.7.1)."""
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1

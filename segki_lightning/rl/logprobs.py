@@ -103,11 +103,27 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_h:
                 g_hidden[rows] = gz @ weight
             if need_w:
-                g_weight += (gz.t() @ h).to(acc)
+                add_product(g_weight, gz.t(), h)                                          # [V, H] += [V, c] [c, H]
             if need_b:
                 g_bias += gz.to(acc).sum(0)
         cast = (lambda g, like: g.to(like.dtype) if g is not None else None)
         return g_hidden, cast(g_weight, weight), cast(g_bias, bias), None, None, None
+
+
+_DTYPE_MM = [True]   # whether this torch has the half-in, fp32-out product on CUDA (torch >= 2.8)
+
+
+def add_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a, b`` bf16/fp16: on CUDA one cuBLAS product accumulating into
+    ``acc`` in fp32, instead of a half ``[V, H]`` product rounded, cast and added (two passes over the fp32
+    accumulator per chunk: ~55 ms of a 0.8B 32-row micro-batch, measured); elsewhere that sum."""
+    if acc.is_cuda and a.dtype != acc.dtype and _DTYPE_MM[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (TypeError, RuntimeError):   # torch < 2.8: no out_dtype
+            _DTYPE_MM[0] = False
+    acc += (a @ b).to(acc.dtype)
 
 
 def _acc(t: Tensor) -> torch.dtype:

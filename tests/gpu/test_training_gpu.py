@@ -101,3 +101,21 @@ def test_chunked_logprobs_match_and_hold_less_memory(tmp_path):
     err = (got - want).abs().max().item()
     assert err < 0.05, err   # bf16 logits are rounded the same way on both paths
     assert chunked < plain / 4, (chunked, plain)
+
+
+def test_the_head_gradient_accumulates_in_fp32_without_a_half_product():
+    """``add_product``: bf16 chunks of the output projection's gradient summed into an fp32 accumulator by one
+    cuBLAS product each (torch >= 2.8), equal to the fp32 products of the same bf16 values up to summation order;
+    the half product it replaces rounds each chunk to bf16 first."""
+    from segki_lightning.rl import logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    acc = torch.randn(4096, 1024, device="cuda", generator=gen)
+    want = acc.double()
+    for _ in range(3):   # three chunks of 700 tokens
+        a = torch.randn(4096, 700, device="cuda", generator=gen).bfloat16()
+        b = torch.randn(700, 1024, device="cuda", generator=gen).bfloat16()
+        logprobs.add_product(acc, a, b)
+        want += a.double() @ b.double()
+    assert logprobs._DTYPE_MM[0] or torch.__version__ < "2.8", "the fp32-out product fell back"
+    assert ((acc.double() - want).norm() / want.norm()).item() < 1e-5
