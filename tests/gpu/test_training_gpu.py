@@ -117,5 +117,5 @@ def test_the_head_gradient_accumulates_in_fp32_without_a_half_product():
         b = torch.randn(700, 1024, device="cuda", generator=gen).bfloat16()
         logprobs.add_product(acc, a, b)
         want += a.double() @ b.double()
-    assert logprobs._DTYPE_MM[0] or torch.__version__ < "2.8", "the fp32-out product fell back"
+    assert logprobs._DTYPE_MM[0] or torch.__version__ < (2, 8), "the fp32-out product fell back"
     assert ((acc.double() - want).norm() / want.norm()).item() < 1e-5
