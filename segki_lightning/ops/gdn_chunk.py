@@ -59,19 +59,26 @@ def chunk_positions(batch: int, length: int, chunk: int, cu_seqlens: Tensor | No
     return pos.clamp_max(batch * length - 1), valid
 
 
-def _chunks(x: Tensor, pos: Tensor, valid: Tensor) -> Tensor:
-    """``x [B, T, Hx, ...]`` -> ``[NC, Hx, BT, ...]`` (0 at invalid positions)."""
-    flat = x.reshape(-1, *x.shape[2:])[pos]                                                # [NC, BT, Hx, ...]
-    flat = flat.masked_fill(~valid.view(*valid.shape, *(1,) * (flat.dim() - 2)), 0)
-    return flat.transpose(1, 2)
+def _chunks(x: Tensor, pos: Tensor, valid: Tensor | None = None) -> Tensor:
+    """``x [B, T, Hx, ...]`` -> ``[NC, Hx, BT, ...]`` contiguous, in one gather. Slots past a sequence's end hold
+    some other token's (finite) values, or 0 where ``valid`` is given: callers mask what those slots touch."""
+    flat = x.reshape(-1, *x.shape[2:])                                                     # [N, Hx, ...]
+    heads = torch.arange(flat.shape[1], device=x.device)
+    out = flat[pos[:, None, :], heads[None, :, None]]                                      # [NC, Hx, BT, ...]
+    if valid is not None:
+        out = out.masked_fill(~valid.view(valid.shape[0], 1, valid.shape[1], *(1,) * (out.dim() - 3)), 0)
+    return out
 
 
 def _unchunk(x: Tensor, where: tuple[Tensor, Tensor], shape: torch.Size, dtype: torch.dtype) -> Tensor:
     """Inverse of :func:`_chunks`: ``[NC, Hx, BT, ...]`` -> ``shape`` (``[B, T, Hx, ...]``) in ``dtype``; ``where``
     is ``(source, destination)``: the valid slots of the flattened ``[NC * BT]`` chunks and their tokens."""
     src, dest = where
+    bt = x.shape[2]
+    heads = torch.arange(x.shape[1], device=x.device)
+    rows = x.to(dtype)[(src // bt)[:, None], heads[None, :], (src % bt)[:, None]]           # [M, Hx, ...]
     out = torch.zeros(shape[0] * shape[1], *shape[2:], dtype=dtype, device=x.device)
-    out[dest] = x.transpose(1, 2).reshape(-1, *x.shape[1:2], *x.shape[3:])[src].to(dtype)
+    out[dest] = rows
     return out.view(shape)
 
 
@@ -128,8 +135,12 @@ def _dqkwg_math(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: Tens
     where = (src, dest)
     group = hv // heads
     acc = _acc(q)
-    qc, kc = (_chunks(x, pos, valid).repeat_interleave(group, 1) for x in (q, k))        # [NC, HV, BT, K]
-    vc, doc = _chunks(v, pos, valid), _chunks(do, pos, valid)                           # [NC, HV, BT, V]
+    # q, k, v, do unmasked: every product that reads a slot past a sequence's end is masked by `keep`/`vmask`
+    # (finite values times 0), and those slots' outputs are never unchunked; g masked, as exp2 of it is taken
+    qc, kc = (_chunks(x, pos) for x in (q, k))                                          # [NC, H, BT, K]
+    if group > 1:
+        qc, kc = qc.repeat_interleave(group, 1), kc.repeat_interleave(group, 1)         # [NC, HV, BT, K]
+    vc, doc = _chunks(v, pos), _chunks(do, pos)                                         # [NC, HV, BT, V]
     gc = _chunks(g.to(acc), pos, valid)                                                 # [NC, HV, BT]
     hs, dhs = (x.reshape(-1, hv, *x.shape[-2:])[:nc] for x in (h, dh))                  # [NC, HV, K, V]
     if state_v_first:
@@ -151,7 +162,7 @@ def _dqkwg_math(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: Tens
     dg = dg.scatter_add(2, last[:, None, None].expand(nc, hv, 1), dg_last[..., None])
     dw = None
     if w is not None:
-        dw = _unchunk(-_mm(_chunks(dv, pos, valid), hs.transpose(-1, -2)), where, w.shape, w.dtype)
+        dw = _unchunk(-_mm(_chunks(dv, pos), hs.transpose(-1, -2)), where, w.shape, w.dtype)
     shape = (bsz, length, hv, kdim)
     dq, dk = (_unchunk(x, where, torch.Size(shape), q.dtype) for x in (dq, dk))
     if group > 1:
