@@ -77,8 +77,8 @@ def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-def test_compiled_dqkwg_equals_the_eager_one(shape):
-    """segki's dq/dk/dw/dg compiled (the default on CUDA) against the same function eager, bf16 packed rows at the
+def test_compiled_dqkwg_equals_the_eager_one(shape, monkeypatch):
+    """segki's dq/dk/dw/dg compiled (``SEGKI_DQKWG_COMPILE=1``) against the same function eager, bf16 packed rows at the
     0.8B and 4B GDN shapes: the same products, only the element-wise passes fused (fp32 reduction order apart)."""
     from segki_lightning.ops import gdn_chunk
 
@@ -97,6 +97,7 @@ def test_compiled_dqkwg_equals_the_eager_one(shape):
     src = valid.reshape(-1).nonzero()[:, 0]
     args = (q, k, v, do, h, dh, w, g, dv, pos, valid, src, pos.reshape(-1)[src], 128 ** -0.5, False)
     want = gdn_chunk._dqkwg_math(*args)
+    monkeypatch.setenv(gdn_chunk.COMPILE_SWITCH, "1")
     got = gdn_chunk._math_on(q.device)(*args)
     assert gdn_chunk._compiled and gdn_chunk._compiled[0] is not None, "the compiled function fell back to eager"
     for name, a, b in zip(("dq", "dk", "dw", "dg"), got, want):
