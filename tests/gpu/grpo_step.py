@@ -52,7 +52,23 @@ def batch(prompt: list[int], completion: list[int], seed: int):
 
 def step(model, inputs, adv, packed: bool, old: torch.Tensor | None = None):
     """One GRPO (dapo) loss backward: ``(log-probs, old log-probs used, {name: gradient})``; ``old`` defaults to
-    this pass's own no-grad scoring (the old-log-prob pass)."""
+    this pass's own no-grad scoring (the old-log-prob pass). An fp32 model (the judge's truth) runs transformers'
+    torch chunk rule for Gated-DeltaNet: an oracle independent of fla, and no fp32 tuning of fla's kernels (minutes
+    on a fresh machine)."""
+    from segki_lightning.ops import gdn_chunk
+
+    if next(model.parameters()).dtype == torch.float32:
+        fla_runs = gdn_chunk.fla_runs
+        gdn_chunk.fla_runs = lambda needs_grad: False
+        try:
+            return _step(model, inputs, adv, packed, old)
+        finally:
+            gdn_chunk.fla_runs = fla_runs
+    return _step(model, inputs, adv, packed, old)
+
+
+def _step(model, inputs, adv, packed: bool, old: torch.Tensor | None):
+    """:func:`step` on the model's own path."""
     from segki_lightning.rl import GRPOConfig
     from segki_lightning.rl.logprobs import completion_logprobs
     from segki_lightning.rl.losses import Totals, grpo_loss
