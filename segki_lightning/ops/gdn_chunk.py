@@ -4,10 +4,9 @@ backward, packed sequences included) wherever they give the right gradients, els
 fla raises in one backward kernel, the gated ``chunk_bwd_dqkwg`` (dq, dk, dw and dg of a chunk from its states),
 on Hopper with Triton in [3.4, 3.7.1): Triton miscompiles it there (fla issue 640). Every other fla kernel of the
 gated delta rule runs. :func:`chunk_bwd_dqkwg` below computes that one kernel's outputs with batched matrix products
-in torch (compiled on CUDA), from the same
-inputs, and :func:`training_path` registers it as an fla backend on exactly that platform
-(after fla's own TileLang backend, which fla prefers when ``tilelang`` is installed). The rest of the backward
-stays in fla's Triton kernels.
+in torch (compiled on CUDA), from the same inputs, and :func:`training_path` registers it as an fla backend on
+exactly that platform (after fla's own TileLang backend, which fla prefers when ``tilelang`` is installed). The rest
+of the backward stays in fla's Triton kernels.
 
 Notation (fla's): ``B, T`` batch and length (``B = 1`` with ``cu_seqlens``), ``H, K`` key heads and dim, ``HV, V``
 value heads and dim (``HV % H == 0``), ``BT`` the chunk size, ``NC`` chunks over the batch; ``g`` is the chunk-local
@@ -171,7 +170,7 @@ def _dqkwg_math(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: Tens
 
 
 COMPILE_SWITCH = "SEGKI_DQKWG_COMPILE"
-_compiled: list = []   # [the compiled _dqkwg_math] once made; [] after a failure
+_compiled: list = []   # [the compiled _dqkwg_math] once made; [None] after compiling failed
 
 
 def _math_on(device: torch.device):
