@@ -89,3 +89,33 @@ def test_chunk_positions_packed_and_padding_rows():
     pos, valid = chunk_positions(1, 20, 8, cu, idx, torch.device("cpu"))
     assert valid.sum(1).tolist() == [3, 8, 0]
 
+
+
+def test_a_compile_failure_falls_back_to_the_eager_math_once(monkeypatch, caplog):
+    """Where ``torch.compile`` cannot build the dq/dk/dw/dg (a compiler stack without Triton, say), the call returns
+    the eager function's result, says so in one warning, and later calls go straight to the eager function."""
+    from segki_lightning.ops import gdn_chunk
+
+    def broken(fn, **_):
+        def run(*args):
+            raise RuntimeError("no compiler backend")
+        return run
+
+    monkeypatch.setattr(gdn_chunk, "_compiled", [])
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.delenv(gdn_chunk.COMPILE_SWITCH, raising=False)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    q, k = (torch.nn.functional.normalize(torch.randn(1, 20, 1, 8, generator=gen), dim=-1) for _ in range(2))
+    v, do, dv, w = (torch.randn(1, 20, 2, 8, generator=gen) for _ in range(4))
+    cu = torch.tensor([0, 7, 20])
+    pos, valid = chunk_positions(1, 20, BT, cu, None, torch.device("cpu"))
+    h, dh = (torch.randn(pos.shape[0], 2, 8, 8, generator=gen) for _ in range(2))
+    g = -torch.rand(1, 20, 2, generator=gen)
+    src = valid.reshape(-1).nonzero()[:, 0]
+    args = (q, k, v, do, h, dh, w, g, dv, pos, valid, src, pos.reshape(-1)[src], 8 ** -0.5, False)
+    with caplog.at_level("WARNING", logger="segki_lightning"):
+        got = gdn_chunk._math_on(torch.device("cuda"))(*args)   # the device type picks the compiled path
+    assert "running it eagerly" in caplog.text
+    for a, b in zip(got, gdn_chunk._dqkwg_math(*args)):
+        assert torch.equal(a, b)
+    assert gdn_chunk._compiled == [None] and gdn_chunk._math_on(torch.device("cuda")) is gdn_chunk._dqkwg_math
