@@ -181,8 +181,8 @@ def _math_on(device: torch.device):
     if device.type != "cuda" or os.environ.get(COMPILE_SWITCH, "1") == "0" or _compiled == [None]:
         return _dqkwg_math
     if not _compiled:
-        log.info("segki: the Gated-DeltaNet dq/dk/dw/dg compiles in its first backward (~20 s, once per machine: "
-                 "torch caches it; %s=0 runs it eagerly)", COMPILE_SWITCH)
+        log.info("segki: the Gated-DeltaNet dq/dk/dw/dg compiles in its first backward (~20 s on a fresh machine; "
+                 "torch caches the kernels; %s=0 runs it eagerly)", COMPILE_SWITCH)
         _compiled.append(torch.compile(_dqkwg_math, dynamic=True))
 
     def run(*args):
