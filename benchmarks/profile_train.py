@@ -43,11 +43,16 @@ def gpu_kernels(prof) -> dict[str, list]:
     """GPU kernel name -> [launches, ms] of a profile."""
     kernels = defaultdict(lambda: [0, 0.0])
     for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        us = _own_us(e)
         if e.device_type == torch.autograd.DeviceType.CUDA and us > 0 and e.key:
             kernels[e.key][0] += e.count
             kernels[e.key][1] += us / 1e3
     return kernels
+
+
+def _own_us(event) -> float:
+    """An averaged profiler event's own GPU microseconds (the attribute's name changed across torch versions)."""
+    return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
 
 
 def aten_ops(prof, top: int = 40) -> list[dict]:
@@ -55,7 +60,7 @@ def aten_ops(prof, top: int = 40) -> list[dict]:
     kernel family comes from (a copy of [33k, 16, 128] fp32 is a different fix from one of [33k, 1024])."""
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        us = _own_us(e)
         if e.key.startswith("aten::") and us > 0:
             rows.append(dict(op=e.key, shapes=str(e.input_shapes)[:200], calls=e.count, ms=round(us / 1e3, 2)))
     return sorted(rows, key=lambda r: -r["ms"])[:top]

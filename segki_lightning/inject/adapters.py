@@ -11,6 +11,8 @@ reading what the optimizer updates in place. A graph holds the adapter state it 
 disabled or merged), as the Python branches below decide at capture."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import Tensor, nn
 
 
@@ -43,3 +45,8 @@ def add_lora(lin: nn.Module, x: Tensor, out: Tensor) -> Tensor:
         down = lin.lora_A[a]
         out = out + lin.lora_B[a](down(lin.lora_dropout[a](x.to(down.weight.dtype)))) * lin.scaling[a]
     return out.to(dtype)
+
+
+def add_loras(lins: Sequence[nn.Module], x: Tensor, outs: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    """:func:`add_lora` for each projection of a packed group (q|k|v, the GDN in-projections) and its output."""
+    return tuple(add_lora(lin, x, out) for lin, out in zip(lins, outs))

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import reference, varlen
-from .adapters import adapted, add_lora
+from .adapters import adapted, add_lora, add_loras
 
 SPEC = "_segki_spec"
 
@@ -120,8 +120,8 @@ class QKVGroup:
 
 def q_proj_forward(self: nn.Module, x: Tensor) -> Tensor:
     g: QKVGroup = spec(self)
-    q, k, v = (add_lora(lin, x, y) for lin, y in zip(
-        (g.q, g.k, g.v), ops.qkv_proj(x, g.q.weight, g.k.weight, g.v.weight, g.q.bias, g.k.bias, g.v.bias)))
+    q, k, v = add_loras((g.q, g.k, g.v), x,
+                        ops.qkv_proj(x, g.q.weight, g.k.weight, g.v.weight, g.q.bias, g.k.bias, g.v.bias))
     g.pending, g.pending_input = {"k": k, "v": v}, x
     return q
 
@@ -220,7 +220,7 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
     h, pro = _projection_input(x, norm, normed, adapted(qp, kp, vp))                         # [B, H]
     q, k, v = ops.qkv_proj(h, qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias, **pro)  # [B, Hq*D(*2)] ...
-    q, k, v = add_lora(qp, h, q), add_lora(kp, h, k), add_lora(vp, h, v)
+    q, k, v = add_loras((qp, kp, vp), h, (q, k, v))
     cos, sin = (t.expand(bsz, 1, t.shape[-1]).reshape(bsz, -1) for t in rope_tables)             # [B, R]
     q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
@@ -248,7 +248,7 @@ def _gdn_in_proj(self: nn.Module, x: Tensor, **prologue: Any) -> tuple[Tensor, T
     product saw it: with a norm ``prologue`` there is no LoRA, see :func:`_projection_input`)."""
     lins = [getattr(self, n) for n in GDN_IN]
     out = ops.gdn_in_proj(x, *(lin.weight for lin in lins), **prologue)
-    return tuple(add_lora(lin, x, y) for lin, y in zip(lins, out))
+    return add_loras(lins, x, out)
 
 
 def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,

@@ -9,6 +9,8 @@ floor for gradients both paths get right."""
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
+from unittest import mock
 
 import torch
 
@@ -57,14 +59,9 @@ def step(model, inputs, adv, packed: bool, old: torch.Tensor | None = None):
     on a fresh machine)."""
     from segki_lightning.ops import gdn_chunk
 
-    if next(model.parameters()).dtype == torch.float32:
-        fla_runs = gdn_chunk.fla_runs
-        gdn_chunk.fla_runs = lambda needs_grad: False
-        try:
-            return _step(model, inputs, adv, packed, old)
-        finally:
-            gdn_chunk.fla_runs = fla_runs
-    return _step(model, inputs, adv, packed, old)
+    torch_rule = next(model.parameters()).dtype == torch.float32
+    with mock.patch.object(gdn_chunk, "fla_runs", lambda needs_grad: False) if torch_rule else nullcontext():
+        return _step(model, inputs, adv, packed, old)
 
 
 def _step(model, inputs, adv, packed: bool, old: torch.Tensor | None):
