@@ -42,9 +42,9 @@ _GREEDY_ONLY = {"HF static cache + compile", "HF eager generate"}
 TRAINING = [
     ("0.8B, 128 x 1024, torch GDN rule", None, "train_scale/grpo_0.8b_128rows_1024.json"),
     ("4B, 64 x 512, torch GDN rule", None, "train_scale/grpo_4b_64rows_512.json"),
-    ("0.8B, 128 x 1024, packed", "0.8b:16x1024:mb32:ckpt", "train_fused/grpo_0.8b_128x1024.json"),
-    ("0.8B, 128 x 1024, packed, fused norms/SwiGLU/conv (`SEGKI_TRAIN_FUSED=1`)", None,
-     "train_fused/grpo_0.8b_128x1024_fused_compiled.json"),
+    ("0.8B, 128 x 1024, packed, fp32 reference norms (`SEGKI_TRAIN_FUSED=0`)", None,
+     "train_fused/grpo_0.8b_128x1024.json"),
+    ("0.8B, 128 x 1024, packed", "0.8b:16x1024:mb32:ckpt", "train_fused/grpo_0.8b_128x1024_fused_compiled.json"),
     ("4B, 64 x 512, packed", "4b:8x512:mb32:ckpt", None),
     ("0.8B, 128 x 10-100 % of 1024, packed", "0.8b:16x1024:mb32:ckpt:mixed", "train_fused/grpo_0.8b_128x1024_mixed_packed.json"),
     ("0.8B, 128 x 10-100 % of 1024, padded", "0.8b:16x1024:mb32:ckpt:mixed:pad",

@@ -11,10 +11,12 @@ from segki_lightning.ops import dispatch
 from segki_lightning.ops.switches import check_switches
 
 
-def test_off_by_default_and_never_on_cpu(monkeypatch):
+def test_on_by_default_off_by_the_switch_and_never_on_cpu(monkeypatch):
     x = torch.randn(4, 8, requires_grad=True)
     monkeypatch.delenv(train_fused.SWITCH, raising=False)
-    assert not train_fused.active(x)
+    assert train_fused.enabled() and not train_fused.active(x)
+    monkeypatch.setenv(train_fused.SWITCH, "0")
+    assert not train_fused.enabled()
     monkeypatch.setenv(train_fused.SWITCH, "1")
     assert not train_fused.active(x)
     with train_fused.scoring():

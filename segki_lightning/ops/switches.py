@@ -39,9 +39,9 @@ KERNEL_SWITCHES = {
     "SEGKI_GDN_CONV": (("split",), "split: the GDN decode step's conv as its own kernel before the recurrence "
                                    "(default: inside the recurrence: the cluster kernel's at few rows, the "
                                    "streamed kernel's prologue at more)"),
-    "SEGKI_TRAIN_FUSED": (("0", "1"), "1: training passes (update, old log-probs, reference) on CUDA run "
-                                      "flash-linear-attention's fused norms, SwiGLU and varlen conv instead of the "
-                                      "fp32 reference compositions (default 0 until measured)"),
+    "SEGKI_TRAIN_FUSED": (("0", "1"), "0: training passes (update, old log-probs, reference) on CUDA run the fp32 "
+                                      "reference compositions instead of flash-linear-attention's fused norms, "
+                                      "SwiGLU and varlen conv"),
     "SEGKI_DQKWG_COMPILE": (("0", "1"), "0: segki's torch dq/dk/dw/dg of the Gated-DeltaNet backward (Hopper with "
                                         "Triton < 3.7.1) runs eagerly instead of compiled"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "

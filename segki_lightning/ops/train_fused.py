@@ -1,19 +1,23 @@
 """flash-linear-attention's fused Triton kernels for the element-wise work of a training pass: RMSNorm (with the
 residual add), the Gated-DeltaNet output norm with its SiLU gate, SwiGLU and the causal depthwise conv over packed
 rows. The reference compositions they replace run ~10 fp32 kernels each over ``[tokens, hidden]`` tensors, twice
-with activation checkpointing: at the 0.8B shape they took two thirds of a micro-batch's GPU time
-(``benchmarks/results/train_fused/``).
+with activation checkpointing: at the 0.8B shape they took two thirds of a micro-batch's GPU time, and with these
+kernels a 128 x 1024 GRPO step's training part took 0.55x (``benchmarks/results/train_fused/``).
 
-Where they run: CUDA, fla importable, ``SEGKI_TRAIN_FUSED=1`` (off by default until measured), and either
+Where they run: CUDA, fla importable, ``SEGKI_TRAIN_FUSED`` not ``0`` (on by default), and either
 gradients recorded (the update pass and its checkpoint recompute) or inside :func:`scoring` (the no-grad old
 log-prob and reference passes, so that all three passes round alike). Rollout prefill and decode never take them.
 They round once at the end where the references round in between (fp32 statistics both), so outputs differ from
-the references within bf16 rounding (GPU tests state the tolerances)."""
+the references within bf16 rounding (GPU tests state the tolerances; a GRPO step's gradients stay as near the fp32
+step's as the references' do). The price is once per machine: fla tunes each kernel at its first shapes (~1-3
+minutes of a first step at the 0.8B-4B shapes, measured), logged when the kernels are first taken."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -21,7 +25,7 @@ from torch import Tensor
 from .gdn_chunk import _fla_import_error
 
 SWITCH = "SEGKI_TRAIN_FUSED"
-DEFAULT = "0"
+DEFAULT = "1"
 # fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
 # compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
 # step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm (per
@@ -29,6 +33,7 @@ DEFAULT = "0"
 ROW_KERNEL_MIN_WIDTH = 513
 GATED_BUCKET_ROWS = 2048 * 32
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
+log = logging.getLogger("segki_lightning")
 
 
 @contextlib.contextmanager
@@ -46,7 +51,17 @@ def active(*tensors: Tensor | None) -> bool:
     (no gradients, no scoring scope) answers at the first check."""
     present = [t for t in tensors if t is not None]
     training = _SCORING[0] > 0 or (torch.is_grad_enabled() and any(t.requires_grad for t in present))
-    return training and bool(present) and present[0].is_cuda and enabled() and not _fla_import_error()
+    taken = training and bool(present) and present[0].is_cuda and enabled() and not _fla_import_error()
+    if taken:
+        _announce()
+    return taken
+
+
+@cache
+def _announce() -> None:
+    """One line the first time the fused kernels are taken: why the first steps are slow, and the switch."""
+    log.info("segki: training passes run flash-linear-attention's fused norms, SwiGLU and conv (%s=0: the fp32 "
+             "references); their first steps tune fla's kernels, ~1-3 minutes once on a fresh machine", SWITCH)
 
 
 def enabled() -> bool:
