@@ -77,3 +77,13 @@ def test_the_gated_norm_runs_in_slices_of_one_compile_bucket(monkeypatch):
 def test_narrow_norms_stay_on_the_reference():
     """RMSNorm of width <= 512 (per-head q/k norms) would compile per token count in fla: not taken."""
     assert not train_fused.norm_width_ok(torch.zeros(2, 256)) and train_fused.norm_width_ok(torch.zeros(2, 1024))
+
+
+def test_the_first_use_is_announced_once(caplog):
+    """The one-time tuning cost is what a user sees first: one line naming it and the switch, not one per op."""
+    train_fused._announce.cache_clear()
+    with caplog.at_level("INFO", logger="segki_lightning"):
+        train_fused._announce()
+        train_fused._announce()
+    lines = [r.getMessage() for r in caplog.records if "fused norms" in r.getMessage()]
+    assert len(lines) == 1 and "SEGKI_TRAIN_FUSED=0" in lines[0]
