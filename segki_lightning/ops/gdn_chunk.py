@@ -184,16 +184,19 @@ def _math_on(device: torch.device):
         log.info("segki: the Gated-DeltaNet dq/dk/dw/dg compiles in its first backward (~20 s on a fresh machine; "
                  "torch caches the kernels; %s=0 runs it eagerly)", COMPILE_SWITCH)
         _compiled.append(torch.compile(_dqkwg_math, dynamic=True))
+    return _run_compiled
 
-    def run(*args):
-        try:
-            return _compiled[0](*args)
-        except Exception as err:   # a compiler stack that cannot build it: the eager function gives the same math
-            log.warning("segki: compiling the Gated-DeltaNet dq/dk/dw/dg failed (%s: %s); running it eagerly",
-                        type(err).__name__, str(err)[:200])
-            _compiled[:] = [None]
-            return _dqkwg_math(*args)
-    return run
+
+def _run_compiled(*args):
+    """The compiled :func:`_dqkwg_math`; where the compiler stack cannot build it, the eager function (the same
+    math), announced once and used from then on."""
+    try:
+        return _compiled[0](*args)
+    except Exception as err:
+        log.warning("segki: compiling the Gated-DeltaNet dq/dk/dw/dg failed (%s: %s); running it eagerly",
+                    type(err).__name__, str(err)[:200])
+        _compiled[:] = [None]
+        return _dqkwg_math(*args)
 
 
 def _fla_refuses() -> bool:
