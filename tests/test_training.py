@@ -329,6 +329,30 @@ def test_a_pretrained_policy_trains_in_train_mode():
     assert m.policy.training and all(x.training for x in m.policy.modules())
 
 
+@pytest.mark.parametrize("part,patched", [("rollout", "prepare"), ("reference", "score_all"), ("update", "accumulate")])
+def test_out_of_memory_names_the_part_and_the_settings_to_change(monkeypatch, part, patched):
+    """A CUDA out-of-memory error inside a step comes out as one (the same type, the original chained) that names
+    the part it hit and the settings that lower that part's memory, with their current values."""
+    m = module("grpo", micro_batch_size=2, beta=0.1)
+    m.keep_reference()
+    m.train()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 130.00 MiB")
+
+    monkeypatch.setattr(m, patched, out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        m.training_step({"prompt": ["ab", "cd"], "answer": ["3", "7"]}, 0)
+    message = str(info.value)
+    assert f"step 0: CUDA out of memory in the {part} pass" in message
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+    assert "trainer.strategy=fsdp" in message
+    if part == "rollout":
+        assert "rollout.max_batch_size" in message and "micro_batch" not in message
+    else:
+        assert "algo.micro_batch_size (now 2)" in message and "model.gradient_checkpointing=true" in message
+
+
 def test_replicated_state_is_16_bytes_per_parameter_and_warns_past_the_gpu():
     """The sizing rule the README gives for DDP: bf16 with fp32 masters and fp32 both keep 16 bytes per trainable
     parameter (a frozen reference only its weights); past 90 % of the GPU the warning names the fix."""

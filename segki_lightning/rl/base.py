@@ -90,6 +90,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._step_flops = 0.0                    # model FLOPs of this step's training passes (see .flops)
         self._flop_shape: FlopShape | None = None
         self._nonfinite_skipped = 0               # steps skipped for non-finite values (on_nonfinite=skip_step)
+        self._part = "rollout"                    # the step's part running now (named by an out-of-memory error)
         self._buffer: RolloutBuffer | None = None
         self.reference: nn.Module | None = None   # the frozen KL reference (see keep_reference)
         self._reference_is_base = False           # a LoRA policy's reference: its base, adapters off
@@ -125,10 +126,13 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             return self._train_step(batch)
         except NonFiniteError as err:
             return self.on_nonfinite(err)
+        except torch.OutOfMemoryError as err:
+            raise torch.OutOfMemoryError(self._out_of_memory_message()) from err
 
     def _train_step(self, batch: dict[str, list]) -> Tensor:
         if not self._buffer:
             check_batch(batch)
+            self._part = "rollout"
             self._buffer = self.prepare(batch)
             self._last_rollout_s = self._buffer.scored.rollout_s
             self.log_rollout(self._buffer.scored, len(batch["prompt"]))
@@ -139,6 +143,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         ro = buf.scored.batch
         self._last_train_tokens = int(row_lengths(ro, rows).sum())
         self._times["update"] = -self._now()   # completed in on_train_batch_end, after the optimizer step
+        self._part = "update"
         self._count_flops(ro, rows)
 
         def loss_fn(r: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -243,11 +248,12 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     @contextlib.contextmanager
     def _timed(self, part: str):
         """Add the wall time of the block (the device's queue drained at both ends) to ``time/<part>_s``."""
-        start = self._now()
+        start, outer, self._part = self._now(), self._part, part
         try:
             yield
         finally:
             self._times[part] = self._times.get(part, 0.0) + self._now() - start
+        self._part = outer   # not on an error: the error names the part it hit
 
     def corrected(self, trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, totals: Totals
                   ) -> tuple[Tensor | None, dict[str, Tensor]]:
@@ -280,6 +286,17 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.compute_dtype = shard_policy(self.policy, self.device_mesh["data_parallel"], extra)
         if self.reference is not None:
             shard_frozen(self.reference, self.device_mesh["data_parallel"])
+
+    def _out_of_memory_message(self) -> str:
+        """:func:`~segki_lightning.rl.sizing.out_of_memory_message` for this step, with the device's numbers."""
+        from .sizing import out_of_memory_message, replicated_state_bytes
+
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        allocated = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        return out_of_memory_message(self.global_step, self._part, self.cfg,
+                                     bool(getattr(self.policy, "is_gradient_checkpointing", False)),
+                                     is_sharded(self.policy), replicated_state_bytes(self, self.cfg.master_weights),
+                                     allocated, total)
 
     def _warn_if_replicated_state_does_not_fit(self) -> None:
         from lightning.pytorch.utilities import rank_zero_warn

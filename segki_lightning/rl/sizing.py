@@ -33,3 +33,25 @@ def replicated_state_warning(model: nn.Module, master_weights: bool, gpu_bytes: 
             f"gradients, fp32 masters and AdamW moments: 16 bytes per parameter) of the GPU's "
             f"{gpu_bytes / gib:.1f} GiB, before activations and the rollout cache: expect out-of-memory. "
             "trainer.strategy=fsdp shards it over the GPUs (with N GPUs each keeps 1/N).")
+
+
+def out_of_memory_message(step: int, part: str, cfg, checkpointing: bool, sharded: bool, state_bytes: int,
+                          allocated: int, total: int) -> str:
+    """What a CUDA out-of-memory error in ``part`` of training step ``step`` leaves to change, with the GPU's
+    numbers at the error: ``part`` is ``rollout`` (generation and its cache), ``old_logprob``/``reference``
+    (the no-grad scoring passes) or ``update`` (forward, backward, optimizer step)."""
+    gib = 2**30
+    if part == "rollout":
+        knobs = ["rollout.max_batch_size (rows decoded at once)", "algo.max_completion_length"]
+    else:
+        knobs = [f"algo.micro_batch_size (now {cfg.micro_batch_size})",
+                 f"algo.micro_batch_tokens (now {cfg.micro_batch_tokens})"]
+        if not checkpointing:
+            knobs.append("model.gradient_checkpointing=true")
+    knobs.append("more GPUs under trainer.strategy=fsdp" if sharded else
+                 "trainer.strategy=fsdp (shards the training state over the GPUs)")
+    return (f"segki: step {step}: CUDA out of memory in the {part} pass (this step's peak {allocated / gib:.1f} "
+            f"GiB allocated of the GPU's {total / gib:.1f} GiB; the training state -- weights, gradients, fp32 "
+            f"masters, AdamW moments -- takes {state_bytes / gib:.1f} GiB of it"
+            f"{' before sharding' if sharded else ''}). "
+            f"Change: {'; '.join(knobs)}.")
