@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import multiprocessing
 import os
 import re
 import statistics
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +80,10 @@ class Case:
             ("_mixed" if self.mixed else "") + ("_pad" if self.padded else "")
 
 
-def write_checkpoint(shape: str, folder: Path) -> int:
-    """A random Qwen3.5-shaped policy with the synthetic task's character tokenizer; returns its parameter count."""
+def write_checkpoint(shape: str, folder: Path) -> tuple[int, str]:
+    """A random Qwen3.5-shaped policy with the synthetic task's character tokenizer; returns its parameter count
+    and the GPU's name. Run it through :func:`in_own_process`: a CUDA context in this process would stay on the card
+    (~0.6 GiB) beside every measured run, which a user's run does not have."""
     from transformers import Qwen3_5ForCausalLM
 
     from segki_lightning.rl.task import char_tokenizer
@@ -92,9 +96,13 @@ def write_checkpoint(shape: str, folder: Path) -> int:
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
-    del model
-    torch.cuda.empty_cache()
-    return params
+    return params, torch.cuda.get_device_name()
+
+
+def in_own_process(fn, *args):
+    """``fn(*args)`` in a fresh (spawned) Python process that exits afterwards, with its GPU memory and context."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, args) -> tuple[int, float, str]:
@@ -227,7 +235,7 @@ def main() -> None:
         for case in args.cases:
             ckpt = Path(tmp) / f"qwen35-{case.shape}-shape"
             if case.shape not in params:
-                params[case.shape] = write_checkpoint(case.shape, ckpt)
+                params[case.shape], device = in_own_process(write_checkpoint, case.shape, ckpt)
             for devices in args.devices:
                 for mode in args.runs:
                     name = f"{mode}_{devices}gpu" + ("_fsdp" if args.strategy == "fsdp" else "") + f"_{case.name}"
@@ -236,7 +244,7 @@ def main() -> None:
                     r = dict(run=name, case=case.name, mode=mode, devices=devices, rows_per_rank=8 * case.prompts,
                              tokens=case.tokens, micro_batch=case.micro_batch or 8 * case.prompts,
                              params_b=round(params[case.shape] / 1e9, 2), returncode=rc, wall_s=round(wall, 1),
-                             device=torch.cuda.get_device_name(),
+                             device=device,
                              train_fused=train_fused.enabled())
                     if rc == 0:
                         r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape], devices))
@@ -249,7 +257,7 @@ def main() -> None:
 
     fla = "installed" if importlib.util.find_spec("fla") else "not installed (chunked torch GDN prefill/training)"
     cmd = " ".join(sys.argv[1:]).replace(str(args.out), "DIR")
-    header = (f"# GRPO recipe, Qwen3.5 shapes (random bf16), G=8, {torch.cuda.get_device_name()}, "
+    header = (f"# GRPO recipe, Qwen3.5 shapes (random bf16), G=8, {rows[0]['device'] if rows else ''}, "
               f"flash-linear-attention {fla}\n\nCommand: `python benchmarks/grpo_gpu.py {cmd}`. Over the steps "
               f"after the first {args.warm}: median times per step (per rollout and the steps reusing it), median "
               "tokens/s (summed over ranks); mfu_train is the training part's per GPU (6 x parameters x trained "
