@@ -350,7 +350,8 @@ def test_out_of_memory_names_the_part_and_the_settings_to_change(monkeypatch, pa
     if part == "rollout":
         assert "rollout.max_batch_size" in message and "micro_batch" not in message
     else:
-        assert "algo.micro_batch_size (now 2)" in message and "model.gradient_checkpointing=true" in message
+        assert "algo.micro_batch_size (now 2)" in message and "algo.micro_batch_tokens (now null)" in message
+        assert "model.gradient_checkpointing=true" in message
 
 
 def test_replicated_state_is_16_bytes_per_parameter_and_warns_past_the_gpu():

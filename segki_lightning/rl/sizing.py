@@ -44,8 +44,9 @@ def out_of_memory_message(step: int, part: str, cfg, checkpointing: bool, sharde
     if part == "rollout":
         knobs = ["rollout.max_batch_size (rows decoded at once)", "algo.max_completion_length"]
     else:
-        knobs = [f"algo.micro_batch_size (now {cfg.micro_batch_size})",
-                 f"algo.micro_batch_tokens (now {cfg.micro_batch_tokens})"]
+        knobs = [f"algo.{key} (now {'null' if value is None else value})"   # Hydra's spelling of None
+                 for key, value in (("micro_batch_size", cfg.micro_batch_size),
+                                    ("micro_batch_tokens", cfg.micro_batch_tokens))]
         if not checkpointing:
             knobs.append("model.gradient_checkpointing=true")
     knobs.append("more GPUs under trainer.strategy=fsdp" if sharded else
