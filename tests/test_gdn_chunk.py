@@ -90,7 +90,6 @@ def test_chunk_positions_packed_and_padding_rows():
     assert valid.sum(1).tolist() == [3, 8, 0]
 
 
-
 def test_a_compile_failure_falls_back_to_the_eager_math_once(monkeypatch, caplog):
     """Where ``torch.compile`` cannot build the dq/dk/dw/dg (a compiler stack without Triton, say), the call returns
     the eager function's result, says so in one warning, and later calls go straight to the eager function."""

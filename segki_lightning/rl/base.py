@@ -291,8 +291,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         """:func:`~segki_lightning.rl.sizing.out_of_memory_message` for this step, with the device's numbers."""
         from .sizing import out_of_memory_message, replicated_state_bytes
 
-        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        allocated = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0
+        allocated = total = 0
+        if self.device.type == "cuda":
+            allocated = torch.cuda.max_memory_allocated(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
         return out_of_memory_message(self.global_step, self._part, self.cfg,
                                      bool(getattr(self.policy, "is_gradient_checkpointing", False)),
                                      is_sharded(self.policy), replicated_state_bytes(self, self.cfg.master_weights),
