@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import http.server
+import logging
 import os
 import pickle
 import random
@@ -346,3 +347,27 @@ def test_a_step_that_raises_leaves_the_last_finished_step_and_the_resume_is_exac
     want = _weights(tmp_path / "straight" / "checkpoints" / "last.ckpt")
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_a_failure_inside_the_optimizer_step_writes_no_checkpoint(tmp_path, monkeypatch, caplog):
+    """Step 1's optimizer raises after its closure ran and one weight moved (what an out-of-memory error as AdamW
+    allocates its moments, or between master buckets, leaves): no ``last.ckpt`` mixing two steps, a line saying
+    why. (A failure inside the closure still writes one: the test above.)"""
+    plain, calls = torch.optim.AdamW.step, [0]
+
+    def fails_midway(self, closure=None):
+        calls[0] += 1
+        if calls[0] == 1:
+            return plain(self, closure)
+        with torch.enable_grad():
+            closure()
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].add_(1.0)
+        raise RuntimeError("allocating the optimizer state failed")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", fails_midway)
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="optimizer state failed"):
+        run(small(tmp_path, "trainer.max_steps=3", REWARD))
+    assert calls[0] == 2
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()
+    assert any("inside step 1's optimizer step" in r.getMessage() for r in caplog.records)

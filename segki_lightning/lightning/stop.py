@@ -11,7 +11,10 @@ Lightning's ``SLURMEnvironment(auto_requeue=True)``, which saves its own checkpo
 An exception (a reward function that raises, an out-of-memory error) also leaves ``last.ckpt``, holding the last
 FINISHED step: when the step that raised had not reached its optimizer step, the prompt loader is rewound by
 that step's batch, so the resume runs it again (one process, ``accumulate_grad_batches=1``; elsewhere a line
-says why nothing is written, and the periodic checkpoints remain).
+says why nothing is written, and the periodic checkpoints remain). A failure INSIDE an optimizer step -- after the
+step's forward and backward, while the optimizer moves weights and its state one tensor or bucket at a time (an
+out-of-memory error as AdamW allocates its moments) -- writes nothing either: some weights may already have moved,
+so that checkpoint would be neither the last finished step nor the next one; a line says so.
 """
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ class GracefulStop(Checkpoint):
         self._received: int | None = None
         self._previous: dict[int, Any] = {}
         self._step_at_batch_start: int | None = None
+        self._moving = False   # an optimizer is moving weights: its closure returned, its step has not
+        self._hooks: list[Any] = []
 
     @property
     def ckpt_path(self) -> Path:
@@ -72,18 +77,39 @@ class GracefulStop(Checkpoint):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Install the handlers (Lightning installs its own SIGTERM notifier before this; ours replaces it for the
-        fit, and ``teardown`` puts back whatever was there)."""
+        fit, and ``teardown`` puts back whatever was there) and watch the optimizers' steps."""
         self._received = None
+        for opt in trainer.optimizers:
+            self._hooks += [opt.register_step_pre_hook(self._before_step), opt.register_step_post_hook(self._after_step)]
         if threading.current_thread() is not threading.main_thread():
             return   # signal handlers can only be set from the main thread
         for s in self.signals:
             self._previous[s] = signal.getsignal(s)
             signal.signal(s, self._handle)
 
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The weights start moving once the step's closure (Lightning's: forward, backward, the
+        ``on_before_optimizer_step`` hooks, clipping) has returned, or at once for a step without one."""
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)   # args: (optimizer, *step's args)
+        if closure is None:
+            self._moving = True
+            return None
+
+        def closure_then_move() -> Any:
+            loss = closure()
+            self._moving = True
+            return loss
+
+        return args[:1], {**kwargs, "closure": closure_then_move}
+
+    def _after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self._moving = False
+
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self._step_at_batch_start = trainer.global_step
+        self._moving = False
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -93,6 +119,11 @@ class GracefulStop(Checkpoint):
         if trainer.world_size > 1 or trainer.accumulate_grad_batches > 1:
             rank_zero_info("segki: no checkpoint of the failed run (written for one process and "
                            "accumulate_grad_batches=1 only); the periodic checkpoints remain")
+            return
+        if self._moving:
+            rank_zero_info(f"segki: no checkpoint of the failed run: it failed inside step {trainer.global_step}'s "
+                           "optimizer step, after some weights or optimizer state may have moved; the periodic "
+                           "checkpoints remain")
             return
         if trainer.global_step == self._step_at_batch_start:   # the failing batch did not step: hand it out again
             loader = trainer.train_dataloader
@@ -123,6 +154,9 @@ class GracefulStop(Checkpoint):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _restore(self) -> None:
         for s, handler in self._previous.items():
