@@ -200,3 +200,31 @@ def test_a_lora_variant_stays_unfused_and_is_named(tmp_path):
     assert report.replaced["gdn"] > 0   # the rest of each layer stays fused
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_groups_plain_paths_take_one_op_and_equal_peft(tmp_path, monkeypatch):
+    """The GDN in-projections' four LoRA paths go through one ``ops.lora_add`` (two launches on a GPU), whose
+    reference is peft's forward bit for bit; with dropout live (training mode) or a second active adapter, peft's
+    own modules run instead."""
+    from segki_lightning import ops
+    from segki_lightning.inject import adapters
+    from segki_lightning.inject.forwards import GDN_IN
+
+    peft_model, model = lora_policy(tmp_path, lora_dropout=0.2)
+    layer = next(m for m in model.modules() if hasattr(m, "in_proj_qkv"))
+    lins = [getattr(layer, n) for n in GDN_IN]
+    x = torch.randn(3, lins[0].in_features)
+    calls = []
+    monkeypatch.setattr(ops, "lora_add", lambda x, outs, *rest: calls.append(len(outs)) or
+                        ops.dispatch.lora_add(x, outs, *rest))
+    model.eval()
+    with torch.no_grad():
+        want = [lin(x) for lin in lins]   # peft's lora.Linear.forward
+        got = adapters.add_loras(lins, x, [lin.base_layer(x) for lin in lins])
+    assert calls == [4] and all(torch.equal(g, w) for g, w in zip(got, want))
+    model.train()   # dropout acts: peft's modules, not the op
+    assert all(adapters.plain_path(lin) is None for lin in lins)
+    model.eval()
+    peft_model.add_adapter("second", peft_model.peft_config["default"])
+    peft_model.base_model.set_adapter(["default", "second"])
+    assert all(adapters.plain_path(lin) is None for lin in lins)

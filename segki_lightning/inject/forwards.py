@@ -91,7 +91,9 @@ def _gated_mlp_adapted(self: nn.Module, x: Tensor, residual: Tensor | None, norm
     """:func:`gated_mlp_forward` with LoRA on its projections: each projection a product plus its low-rank path,
     the norm, the SiLU gate and the residual add on their own (none fused into a projection's launch)."""
     x = _normed(x, norm)
-    h = ops.silu_mul(_project(self.gate_proj, x), _project(self.up_proj, x))     # [..., I]
+    gate, up = self.gate_proj, self.up_proj
+    h = ops.silu_mul(*add_loras((gate, up), x, (ops.linear(x, gate.weight, gate.bias),
+                                                 ops.linear(x, up.weight, up.bias))))      # [..., I]
     out = _project(self.down_proj, h)                                           # [..., H]
     return out if residual is None else out + residual
 

@@ -7,6 +7,7 @@ change: ineligible inputs take the reference.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -434,6 +435,22 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     if eligible("silu_mul", gate, up, shape_ok=ok, row_strided=2):
         return _native("silu_mul")(gate, up)
     return reference.silu_mul(gate, up)
+
+
+def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]
+             ) -> list[Tensor]:
+    """See :func:`reference.lora_add`: one group's LoRA paths in two launches (``csrc/lora.cu``) where the native
+    op takes them -- decode rows of a half dtype, adapters of fp32 or that dtype, 1-4 members, no autograd -- else
+    the reference (peft's five or six launches a member)."""
+    adapters = [*a, *b]
+    ok = (0 < len(outs) <= 4 and x.is_cuda and x.dtype in NATIVE_DTYPES and x.is_contiguous()
+          and adapters[0].dtype in (torch.float32, x.dtype)
+          and all(t.dtype == adapters[0].dtype and t.is_contiguous() and t.device == x.device for t in adapters)
+          and all(o.dtype == x.dtype and o.device == x.device and _rows_ok(o) for o in outs)
+          and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *outs, *adapters))))
+    if ok and has_native("lora_add"):
+        return list(_native("lora_add")(x, list(outs), list(a), list(b), [float(s) for s in scales]))
+    return reference.lora_add(x, outs, a, b, scales)
 
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_eps: float = 0.0,

@@ -89,6 +89,11 @@ def _silu_mul(gate, up):
     return gate.new_empty(gate.shape)   # contiguous, whatever gate's row stride
 
 
+@torch.library.register_fake("segki::lora_add")
+def _lora_add(x, outs, a, b, scales):
+    return [out.new_empty(out.shape) for out in outs]   # contiguous, whatever each output's row stride
+
+
 @torch.library.register_fake("segki::gdn_decode_step")
 def _gdn_step(qkv, z, b, a, conv_state, conv_weight, conv_bias, state, a_log, dt_bias, norm_w, eps, hk, dk, dv):
     return z.new_empty(z.shape)
