@@ -6,12 +6,14 @@
 
 Issue line: a LoRA policy (r=16 on every projection) decodes at >= 85 % of the full-weight rollout at b=1, 16 and
 64, and >= 3x transformers' eager LoRA generate. Rows: ours with full weights, ours with peft's LoRA on every
-projection (``all-linear``; the low-rank paths beside the fused ops, inject/adapters.py), transformers' eager
-``generate`` of the LoRA model; sampled at T=1, decode tok/s as in decode.py (prefill excluded).
+projection (``all-linear``; the low-rank paths beside the fused ops, inject/adapters.py) as peft's composition and
+as the native lora_add op (``SEGKI_LORA_OP=1``), transformers' eager ``generate`` of the LoRA model; sampled at
+T=1, decode tok/s as in decode.py (prefill excluded).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -49,23 +51,27 @@ def main() -> None:
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.01)
-    for batch in args.batches:
-        r = decode.ours(model, batch, sampling, True)
-        ratio = round(r["decode_tok_s"] / full[batch]["decode_tok_s"], 3) if "decode_tok_s" in r else None
-        unfused = sum(map(len, apply_segment_ki(model).skipped.values()))   # the injection's report (0: all fused)
-        rows.append(dict(system=f"ours: LoRA r={args.r}", batch=batch, vs_full=ratio, unfused_segments=unfused, **r))
-        print(rows[-1], flush=True)
+    for op, label in (("0", "peft's composition"), ("1", "lora_add op")):   # SEGKI_LORA_OP, read at capture
+        os.environ["SEGKI_LORA_OP"] = op
+        for batch in args.batches:
+            r = decode.ours(model, batch, sampling, True)
+            ratio = round(r["decode_tok_s"] / full[batch]["decode_tok_s"], 3) if "decode_tok_s" in r else None
+            unfused = sum(map(len, apply_segment_ki(model).skipped.values()))   # the injection's report (0: all fused)
+            rows.append(dict(system=f"ours: LoRA r={args.r}, {label}", batch=batch, vs_full=ratio,
+                             unfused_segments=unfused, **r))
+            print(rows[-1], flush=True)
     remove_segment_ki(model)   # peft's own layers from here
     for batch in args.hf_eager_batches:
         r = decode.hf(model, batch, False, args.hf_eager_tokens)
-        ours = next((x.get("decode_tok_s") for x in rows if x["system"].startswith("ours: LoRA")
-                     and x["batch"] == batch), None)
+        ours = max((x.get("decode_tok_s", 0) for x in rows if x["system"].startswith("ours: LoRA")
+                    and x["batch"] == batch), default=None)
         rows.append(dict(system=f"HF eager generate, LoRA r={args.r}", batch=batch,
                          ours_vs_this=round(ours / r["decode_tok_s"], 2) if ours else None, **r))
         print(rows[-1], flush=True)
     cols = ["system", "batch", "decode_tok_s", "step_ms", "vs_full", "ours_vs_this", "unfused_segments", "path"]
     header = (f"# LoRA decode (Qwen3.5-{args.model} shape, bf16, LoRA r={args.r} on every projection, sampled T=1, "
-              f"{torch.cuda.get_device_name()})\n\nCommand: `python benchmarks/lora_decode.py {' '.join(sys.argv[1:])}`")
+              f"{torch.cuda.get_device_name()})\n\n"
+              f"Command: `python benchmarks/lora_decode.py {' '.join(sys.argv[1:])}`")
     write_results(args.out, "lora_decode", rows, cols, header)
     print((args.out / "lora_decode.md").read_text())
 

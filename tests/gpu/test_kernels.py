@@ -114,10 +114,10 @@ def test_projection_family(shape, batch, dtype):
 @pytest.mark.parametrize("batch", [1, 7, 16, 64])
 @pytest.mark.parametrize("shape,rank", [("4b_gdn_in", 16), ("4b_qkv", 8), ("08b_gate_up", 64), ("4b_down", 16),
                                         ("odd", 5)])
-def test_lora_add(shape, rank, batch, dtype, adapters):
+def test_lora_add(shape, rank, batch, dtype, adapters, monkeypatch):
     """A group's LoRA paths (csrc/lora.cu) against peft's composition in the same dtypes (its roundings are the
-    spec), the base outputs as column slices of one product (as past the native rows); the dispatch takes the
-    native op for trainable adapters outside autograd (a rollout)."""
+    spec), the base outputs as column slices of one product (as past the native rows); under SEGKI_LORA_OP=1 the
+    dispatch takes the native op for trainable adapters outside autograd (a rollout)."""
     k, ns = PROJ_SHAPES[shape]
     wdt = torch.float32 if adapters == "fp32" else dtype
     x = randn(batch, k, dtype=dtype)
@@ -125,6 +125,7 @@ def test_lora_add(shape, rank, batch, dtype, adapters):
     a = [randn(rank, k, dtype=wdt, scale=k**-0.5).requires_grad_() for _ in ns]
     b = [randn(n, rank, dtype=wdt, scale=rank**-0.5).requires_grad_() for n in ns]
     scales = [2.0, 0.5, 1.0, 0.25][:len(ns)]
+    monkeypatch.setenv("SEGKI_LORA_OP", "1")
     with torch.no_grad():
         poison(*[(batch, n) for n in ns], dtype=dtype)
         got = torch.ops.segki.lora_add(x, outs, a, b, scales)

@@ -131,13 +131,16 @@ WIDTHS_08B = dict(hidden_size=1024, intermediate_size=3584, num_attention_heads=
                   linear_value_head_dim=128)
 
 
+@pytest.mark.parametrize("lora_op", ["0", "1"], ids=["peft-path", "lora_add-op"])   # SEGKI_LORA_OP
 @pytest.mark.parametrize("widths", [{}, WIDTHS_08B], ids=["small", "0.8b-widths"])
-def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path, widths):
+def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path, widths, lora_op, monkeypatch):
     """LoRA on every projection (non-zero adapters, fp32 as peft keeps them over a bf16 base) inside the captured
-    fused decode: no segment left to peft, graph == eager, an optimizer step on the adapters reaches the captured
-    graph without a recapture, and each row follows peft's own forward (the model with its adapters, unfused)
-    within bf16 tolerance."""
+    fused decode, the low-rank paths as peft's composition or the native lora_add op: no segment left to peft,
+    graph == eager, an optimizer step on the adapters reaches the captured graph without a recapture, and each row
+    follows peft's own forward (the model with its adapters, unfused) within bf16 tolerance."""
     from segki_lightning.rl.lora import apply_lora
+
+    monkeypatch.setenv("SEGKI_LORA_OP", lora_op)
 
     model = cuda_model(tmp_path, seed=6, **widths)
     peft_model = apply_lora(model, r=8, lora_alpha=16)
