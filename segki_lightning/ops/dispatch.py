@@ -437,16 +437,21 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return reference.silu_mul(gate, up)
 
 
+# Rows up to which the native lora_add runs (decode): its shrink re-reads each member's A for every row, where a
+# prefill's thousands of rows want cuBLAS products (the reference's).
+LORA_OP_ROWS = 64
+
+
 def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]
              ) -> list[Tensor]:
     """See :func:`reference.lora_add`: under ``SEGKI_LORA_OP=1`` one group's LoRA paths in two launches
-    (``csrc/lora.cu``) where the native op takes them -- decode rows of a half dtype, adapters of fp32 or that
-    dtype, 1-4 members, no autograd -- else the reference (peft's five or six launches a member). Opt-in until the
-    native op has passed its GPU test (``tests/gpu/test_kernels.py::test_lora_add``); read at each call, so a
-    captured graph keeps the path it was captured with."""
-    adapters = [*a, *b]
+    (``csrc/lora.cu``) where the native op takes them -- up to ``LORA_OP_ROWS`` rows of a half dtype, adapters of
+    fp32 or that dtype, 1-4 members, no autograd -- else the reference (peft's five or six launches a member).
+    Opt-in until the native op has passed its GPU test (``tests/gpu/test_kernels.py::test_lora_add``); read at
+    each call, so a captured graph keeps the path it was captured with."""
+    adapters, k = [*a, *b], x.shape[-1]
     ok = (0 < len(outs) <= 4 and x.is_cuda and x.dtype in NATIVE_DTYPES and x.is_contiguous()
-          and adapters[0].dtype in (torch.float32, x.dtype)
+          and 0 < k and x.numel() // k <= LORA_OP_ROWS and adapters[0].dtype in (torch.float32, x.dtype)
           and all(t.dtype == adapters[0].dtype and t.is_contiguous() and t.device == x.device for t in adapters)
           and all(o.dtype == x.dtype and o.device == x.device and _rows_ok(o) for o in outs)
           and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *outs, *adapters))))
