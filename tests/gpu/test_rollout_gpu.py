@@ -155,12 +155,10 @@ def test_a_lora_policy_rolls_out_fused_and_follows_peft(tmp_path, widths, lora_o
     cfg = SamplingConfig(max_new_tokens=40, temperature=0.0)
     a, b = graph.generate(ps, cfg), eager.generate(ps, cfg)
     assert torch.equal(a.completion_ids, b.completion_ids)
-    opt = torch.optim.SGD([p for n, p in model.named_parameters() if "lora_" in n], lr=0.5)
-    x = torch.randint(2, 1024, (2, 20), device="cuda")
-    model.train()
-    model(input_ids=x, labels=x, use_cache=False).loss.backward()
-    opt.step()
-    model.eval()
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in adapters:   # a step's gradients without a backward (fla's first-call tuning of it: minutes on a fresh GPU)
+        p.grad = torch.randn_like(p) * 0.05
+    torch.optim.SGD(adapters, lr=0.5).step()
     after = graph.generate(ps, cfg)   # the captured graph reads the adapters the step updated in place
     assert graph.captures == 1 and not torch.equal(after.completion_ids, a.completion_ids)
     assert torch.equal(after.completion_ids, eager.generate(ps, cfg).completion_ids)
