@@ -29,6 +29,9 @@
 #           prefill replayed as a CUDA graph (prefill/decode.json/md)
 #   gdntrain the Gated-DeltaNet training path: its GPU tests, then benchmarks/gdn_train.py (one layer's forward +
 #           backward per implementation at the 0.8B and 4B shapes; gdn_train/)
+#   lora    the LoRA GPU tests (the lora_add kernel; fused LoRA rollouts under peft's composition and lora_add), then
+#           benchmarks/lora_decode.py (4B: full weights and both LoRA paths at 1, 16 and 64 rows, transformers' eager
+#           LoRA generate at 1; lora/)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -134,6 +137,11 @@ for stage in "${stages[@]}"; do
     gdntrain) python3 -m pytest -q tests/gpu/test_gdn_training_gpu.py -p no:cacheprovider 2>&1 \
                | tee "$out/gdn_train_tests.log" | tail -3
              python3 benchmarks/gdn_train.py --out "$out/gdn_train" > "$out/gdn_train.log" 2>&1; tail -12 "$out/gdn_train.log" ;;
+    lora)    python3 -m pytest -q tests/gpu/test_kernels.py tests/gpu/test_rollout_gpu.py -k lora -p no:cacheprovider \
+               2>&1 | tee "$out/lora_tests.log" | tail -4
+             python3 benchmarks/lora_decode.py --out "$out/lora" > "$out/lora_decode.log" 2>&1 \
+               || tail -5 "$out/lora_decode.log"
+             grep "^|" "$out/lora/lora_decode.md" ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;
