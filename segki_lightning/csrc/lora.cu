@@ -24,10 +24,9 @@ struct Group {
   const W* a[kMaxMembers];          // [r_i, K]
   const W* b[kMaxMembers];          // [N_i, r_i]
   const void* out[kMaxMembers];     // the base outputs: rows of N_i values, out_ld[i] apart
-  void* res[kMaxMembers];           // the results, [rows, N_i] contiguous
+  void* res[kMaxMembers];           // the results, [rows, N_i] contiguous (N_i: member i's column count)
   int64_t out_ld[kMaxMembers];
   int rank[kMaxMembers];
-  int n[kMaxMembers];
   int col_start[kMaxMembers + 1];   // member i's columns: [col_start[i], col_start[i + 1]) of all members'
   float scale[kMaxMembers];
   int members;
@@ -81,7 +80,8 @@ __global__ void lora_expand_kernel(Group<W> g, const float* __restrict__ t, int 
   if (col >= g.col_start[g.members]) return;
   int i = 0;
   while (col >= g.col_start[i + 1]) ++i;
-  const int n = col - g.col_start[i], r = g.rank[i], nr = min(kRowTile, rows - row0);
+  const int n = col - g.col_start[i], width = g.col_start[i + 1] - g.col_start[i], r = g.rank[i];
+  const int nr = min(kRowTile, rows - row0);
   const W* b = g.b[i] + (int64_t)n * r;
   const float* ti = t + ((int64_t)i * rows + row0) * R;
   float acc[kRowTile] = {};
@@ -105,7 +105,7 @@ __global__ void lora_expand_kernel(Group<W> g, const float* __restrict__ t, int 
     if (rr >= nr) break;
     const float path = round_w<W>(round_w<W>(acc[rr]) * g.scale[i]);
     const int64_t row = row0 + rr;
-    res[row * g.n[i] + n] = from_float<T>(as_float(out[row * g.out_ld[i] + n]) + path);
+    res[row * width + n] = from_float<T>(as_float(out[row * g.out_ld[i] + n]) + path);
   }
 }
 
@@ -152,8 +152,7 @@ std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::T
         g.res[i] = res.back().data_ptr();
         g.out_ld[i] = ld[i];
         g.rank[i] = (int)a[i].size(0);
-        g.n[i] = (int)b[i].size(0);
-        g.col_start[i + 1] = g.col_start[i] + g.n[i];
+        g.col_start[i + 1] = g.col_start[i] + (int)b[i].size(0);
         g.scale[i] = (float)scales[i];
       }
       if (rows == 0) return;
