@@ -6,9 +6,9 @@
 
 Issue line: a LoRA policy (r=16 on every projection) decodes at >= 85 % of the full-weight rollout at b=1, 16 and
 64, and >= 3x transformers' eager LoRA generate. Rows: ours with full weights, ours with peft's LoRA on every
-projection (``all-linear``; the low-rank paths beside the fused ops, inject/adapters.py) as peft's composition and
-as the native lora_add op (``SEGKI_LORA_OP=1``), transformers' eager ``generate`` of the LoRA model; sampled at
-T=1, decode tok/s as in decode.py (prefill excluded).
+projection (``all-linear``; the low-rank paths beside the fused ops, inject/adapters.py) as peft's composition
+(``SEGKI_LORA_OP=0``) and as the native lora_add op (the default), transformers' eager ``generate`` of the LoRA
+model; sampled at T=1, decode tok/s as in decode.py (prefill excluded).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def main() -> None:
         for name, p in peft_model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.01)
+    user_switch = os.environ.get("SEGKI_LORA_OP")
     for op, label in (("0", "peft's composition"), ("1", "lora_add op")):   # SEGKI_LORA_OP, read at capture
         os.environ["SEGKI_LORA_OP"] = op
         for batch in args.batches:
@@ -61,6 +62,9 @@ def main() -> None:
                              unfused_segments=unfused, **r))
             print(rows[-1], flush=True)
     remove_segment_ki(model)   # peft's own layers from here
+    os.environ.pop("SEGKI_LORA_OP")   # the results' header names the switches the run was started with
+    if user_switch is not None:
+        os.environ["SEGKI_LORA_OP"] = user_switch
     for batch in args.hf_eager_batches:
         r = decode.hf(model, batch, False, args.hf_eager_tokens)
         ours = max((x.get("decode_tok_s", 0) for x in rows if x["system"].startswith("ours: LoRA")
