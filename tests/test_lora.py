@@ -228,3 +228,24 @@ def test_a_groups_plain_paths_take_one_op_and_equal_peft(tmp_path, monkeypatch):
     peft_model.add_adapter("second", peft_model.peft_config["default"])
     peft_model.base_model.set_adapter(["default", "second"])
     assert all(adapters.plain_path(lin) is None for lin in lins)
+
+
+def test_the_flop_count_leaves_out_the_frozen_base_weight_gradients(tmp_path):
+    """MFU of a LoRA run: the frozen base computes no weight gradients, so forward + backward counts three forwards
+    less ``2 x`` each frozen weight per token (full weights: exactly three forwards)."""
+    from segki_lightning.rl.flops import FlopShape
+
+    from .tiny_models import build_model
+
+    lengths, scored = [int(n) for n in torch.randint(3, 40, (5,))], 50
+    full = FlopShape.of(build_model("qwen3_5", tmp_path / "full"))
+    assert full.frozen_body == full.frozen_head == 0 and full.body > 0
+    assert full.training(lengths, scored) == 3 * full.forward(lengths, scored)
+    peft_model, model = lora_policy(tmp_path)
+    lora = FlopShape.of(model)
+    base = sum(m.base_layer.weight.numel() for m in model.modules() if hasattr(m, "base_layer"))
+    assert lora.frozen_body == base > 0 and lora.body == base + sum(
+        p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    assert lora.frozen_head == lora.head > 0   # the output head is not among all-linear's targets
+    want = 3 * lora.forward(lengths, scored) - 2 * base * sum(lengths) - 2 * lora.head * scored
+    assert lora.training(lengths, scored) == want

@@ -200,7 +200,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         log-probs, entropies, values)."""
         rows = torch.arange(len(ro), device=ro.completion_ids.device)
         parts = [self.scores(model, ro, r, value_head) for r in self.micro_batches(model, ro, rows)]
-        self._count_flops(ro, rows, passes=1 / 3)   # a forward
+        self._count_flops(ro, rows, backward=False)
         return TokenScores(*(None if p[0] is None else torch.cat(p) for p in zip(*parts)))
 
     def old_scores(self, ro: RolloutBatch, value_head: nn.Module | None = None) -> TokenScores:
@@ -232,12 +232,14 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         packed rows, see :func:`~segki_lightning.rl.logprobs.packs`)."""
         return bool(self.cfg.padding_free) and packs(model, is_injected(model))
 
-    def _count_flops(self, ro: RolloutBatch, rows: Tensor, passes: float = 1.0) -> None:
-        """Add the model FLOPs of a training pass (``passes=1/3``: a forward alone) over ``rows`` to this step's."""
+    def _count_flops(self, ro: RolloutBatch, rows: Tensor, backward: bool = True) -> None:
+        """Add the model FLOPs of a training pass over ``rows`` (forward + backward, or a forward alone) to this
+        step's."""
         if self._flop_shape is None:
             self._flop_shape = FlopShape.of(self.policy)
-        lengths = row_lengths(ro, rows).tolist()
-        self._step_flops += passes * self._flop_shape.training(lengths, int(ro.completion_mask[rows].sum()))
+        lengths, scored = row_lengths(ro, rows).tolist(), int(ro.completion_mask[rows].sum())
+        shape = self._flop_shape
+        self._step_flops += shape.training(lengths, scored) if backward else shape.forward(lengths, scored)
 
     def _now(self) -> float:
         """A wall clock that has waited for this device's queue."""
