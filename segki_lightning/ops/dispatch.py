@@ -444,18 +444,17 @@ LORA_OP_ROWS = 64
 
 def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]
              ) -> list[Tensor]:
-    """See :func:`reference.lora_add`: under ``SEGKI_LORA_OP=1`` one group's LoRA paths in two launches
-    (``csrc/lora.cu``) where the native op takes them -- up to ``LORA_OP_ROWS`` rows of a half dtype, adapters of
-    fp32 or that dtype, 1-4 members, no autograd -- else the reference (peft's five or six launches a member).
-    Opt-in until the native op has passed its GPU test (``tests/gpu/test_kernels.py::test_lora_add``); read at
-    each call, so a captured graph keeps the path it was captured with."""
+    """See :func:`reference.lora_add`: one group's LoRA paths in two launches (``csrc/lora.cu``) where the native op
+    takes them -- up to ``LORA_OP_ROWS`` rows of a half dtype, adapters of fp32 or that dtype, 1-4 members, no
+    autograd -- else the reference (peft's five or six launches a member; also under ``SEGKI_LORA_OP=0``). The
+    switch is read at each call, so a captured graph keeps the path it was captured with."""
     adapters, k = [*a, *b], x.shape[-1]
     ok = (0 < len(outs) <= 4 and x.is_cuda and x.dtype in NATIVE_DTYPES and x.is_contiguous()
           and 0 < k and x.numel() // k <= LORA_OP_ROWS and adapters[0].dtype in (torch.float32, x.dtype)
           and all(t.dtype == adapters[0].dtype and t.is_contiguous() and t.device == x.device for t in adapters)
           and all(o.dtype == x.dtype and o.device == x.device and _rows_ok(o) for o in outs)
           and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *outs, *adapters))))
-    if ok and os.environ.get("SEGKI_LORA_OP") == "1" and has_native("lora_add"):
+    if ok and os.environ.get("SEGKI_LORA_OP") != "0" and has_native("lora_add"):
         return list(_native("lora_add")(x, list(outs), list(a), list(b), [float(s) for s in scales]))
     return reference.lora_add(x, outs, a, b, scales)
 

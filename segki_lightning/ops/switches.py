@@ -44,9 +44,8 @@ KERNEL_SWITCHES = {
                                       "SwiGLU and varlen conv"),
     "SEGKI_DQKWG_COMPILE": (("0", "1"), "0: segki's torch dq/dk/dw/dg of the Gated-DeltaNet backward (Hopper with "
                                         "Triton < 3.7.1) runs eagerly instead of compiled"),
-    "SEGKI_LORA_OP": (("0", "1"), "1: a projection group's LoRA paths in decode by the native lora_add op (two "
-                                  "launches a group); unset or 0: peft's composition (five or six launches a "
-                                  "projection)"),
+    "SEGKI_LORA_OP": (("0", "1"), "0: a projection group's LoRA paths in decode as peft's composition (five or "
+                                  "six launches a projection) instead of the native lora_add op (two a group)"),
     "SEGKI_JOINT": (("0", "1"), "0: past the native rows, one cuBLAS product per weight even where the weights are "
                                 "packed"),
 }

@@ -116,8 +116,8 @@ def test_projection_family(shape, batch, dtype):
                                         ("odd", 5)])
 def test_lora_add(shape, rank, batch, dtype, adapters, monkeypatch):
     """A group's LoRA paths (csrc/lora.cu) against peft's composition in the same dtypes (its roundings are the
-    spec), the base outputs as column slices of one product (as past the native rows); under SEGKI_LORA_OP=1 the
-    dispatch takes the native op for trainable adapters outside autograd (a rollout)."""
+    spec), the base outputs as column slices of one product (as past the native rows); by default (SEGKI_LORA_OP
+    unset or 1) the dispatch takes the native op for trainable adapters outside autograd (a rollout)."""
     k, ns = PROJ_SHAPES[shape]
     wdt = torch.float32 if adapters == "fp32" else dtype
     x = randn(batch, k, dtype=dtype)
