@@ -41,8 +41,9 @@ def test_the_canonical_folder_wins(tables, tmp_path, monkeypatch):
     out.mkdir(parents=True)
     (out / "grpo_gpu.json").write_text(json.dumps([dict(step_s=5.0, rollout_s=2.0, train_s=3.0, mfu=0.31,
                                                          peak_gib=20.0, device="NVIDIA H200")]))
-    for _, _, rel in tables.TRAINING:   # the committed files the other rows read
-        for f in (Path(rel), Path(rel).with_suffix(".md")) if rel else ():
+    for _, _, rel in tables.TRAINING:   # the committed files the other rows read (``FILE.json#row``)
+        name = (rel or "").partition("#")[0]
+        for f in (Path(name), Path(name).with_suffix(".md")) if name else ():
             if (ROOT / "benchmarks" / "results" / f).exists():
                 (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
                 (tmp_path / f).write_text((ROOT / "benchmarks" / "results" / f).read_text())
