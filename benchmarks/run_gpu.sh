@@ -32,6 +32,11 @@
 #   lora    the LoRA GPU tests (the lora_add kernel; fused LoRA rollouts under peft's composition and lora_add), then
 #           benchmarks/lora_decode.py (4B: full weights and both LoRA paths at 1, 16 and 64 rows, transformers' eager
 #           LoRA generate at 1; lora/)
+#   loragrpo benchmarks/grpo_gpu.py with LoRA r=16 on every projection, 10 steps: 4B 64 rows x 512 and the 9B shape
+#           32 x 512, or the cases LORA_CASES names (lora_grpo/4b/, lora_grpo/9b/; ~6 and ~5 minutes on a fresh
+#           machine: one call each, LORA_CASES=4b:8x512:mb32:ckpt then LORA_CASES=9b:4x512:mb32:ckpt)
+#   mixedprof benchmarks/profile_train.py, one 0.8B micro-batch (32 rows, checkpointing) at fixed length 1024 and at
+#           10-100 % of it, packed (mixedprof/fixed/, mixedprof/mixed/): where packed mixed lengths lose per token
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -142,6 +147,16 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/lora_decode.py --out "$out/lora" > "$out/lora_decode.log" 2>&1 \
                || tail -5 "$out/lora_decode.log"
              grep "^|" "$out/lora/lora_decode.md" ;;
+    loragrpo) for c in ${LORA_CASES:-4b:8x512:mb32:ckpt 9b:4x512:mb32:ckpt}; do
+               python3 benchmarks/grpo_gpu.py --out "$out/lora_grpo/${c%%:*}" --cases "$c" --runs segki --segki-steps 10 \
+                 --warm 2 --overrides lora.r=16 > "$out/lora_grpo_${c%%:*}.log" 2>&1
+               tail -1 "$out/lora_grpo_${c%%:*}.log" | cut -c1-200
+             done ;;
+    mixedprof) for m in fixed mixed; do
+               python3 benchmarks/profile_train.py --out "$out/mixedprof/$m" --shape 0.8b --rows 32 --tokens 1024 --ckpt \
+                 $([[ $m == mixed ]] && echo --mixed) > "$out/mixedprof_$m.log" 2>&1
+               tail -3 "$out/mixedprof_$m.log"
+             done ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;
