@@ -39,9 +39,11 @@ def test_the_probe_says_yes_injected_and_no_for_the_models_own_layers(tmp_path):
     assert not packs(model, injected=False)
 
 
-def test_packed_conv_and_attention_equal_each_row_alone():
-    torch.manual_seed(0)
-    lengths = [3, 1, 9, 4]
+def test_packed_conv_attention_and_chunk_rule_equal_each_row_alone():
+    """The packed ops without a varlen kernel (CPU): the conv on rows spread apart, attention and the chunk rule on
+    one right-padded batch, each row as if it ran alone (one row past a 64-token chunk)."""
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    lengths = [3, 1, 70, 4]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     x = torch.randn(1, sum(lengths), 6, dtype=torch.float64)
     w, b = torch.randn(6, 1, 4, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
@@ -53,6 +55,14 @@ def test_packed_conv_and_attention_equal_each_row_alone():
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         alone = varlen.varlen_attention(q[s:e], k[s:e], v[s:e], torch.tensor([0, e - s]), e - s, 0.3)
         torch.testing.assert_close(out[s:e], alone)
+    m = sum(lengths)
+    q, k, v = torch.randn(1, m, 2, 8), torch.randn(1, m, 2, 8), torch.randn(1, m, 4, 8)
+    g, beta = -torch.rand(1, m, 4), torch.rand(1, m, 4)
+    out = varlen.gdn_chunk(q, k, v, g, beta, cu)
+    assert out.shape == (1, m, 4, 8)
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = varlen.gdn_chunk(*(t[:, s:e] for t in (q, k, v, g, beta)))
+        torch.testing.assert_close(out[:, s:e], alone, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("packed,want", [
