@@ -4,8 +4,8 @@ them). Each op treats every row as if it ran alone, from zero state: the Gated-D
 kernels on CUDA, else the torch rule), its causal depthwise conv, and causal softmax attention (PyTorch's varlen
 flash attention where it runs, else SDPA). Where no varlen kernel runs (CPU), the rows go through the torch op as
 one right-padded batch ``[R, L]`` (L the longest row): both ops are causal, so a row's tokens never see the zeros
-after them, and one call replaces R calls of ~50 small ops each (a packed CPU update took ~3x the padded one when
-it looped over rows). All differentiable."""
+after them, and one call replaces R calls of ~50 small ops each (the main job's update took 0.44 s a step when it
+looped over the rows, 0.095 s batched). All differentiable."""
 from __future__ import annotations
 
 import inspect
