@@ -9,7 +9,9 @@ looped over the rows, 0.095 s batched). All differentiable."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,7 @@ def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
         return out
     if cu_seqlens is None:
         return gdn_chunked(q, k, v, g, beta)
-    index, rows, longest = _padded_index(cu_seqlens)
+    index, rows, longest = _padded_index(cu_seqlens, q.device)
     out = gdn_chunked(*(_to_padded(t[0], index, rows, longest) for t in (q, k, v, g, beta)))   # [R, L, Hv, Dv]
     return out.flatten(0, 1).index_select(0, index)[None]                                    # [1, M, Hv, Dv]
 
@@ -58,21 +60,35 @@ def causal_conv_silu(x: Tensor, weight: Tensor, bias: Tensor | None, cu_seqlens:
     return F.silu(y).to(x.dtype).transpose(1, 2)                                                 # [B, T, C]
 
 
-_SPREAD: list = [None, 0, None]   # (cu_seqlens, gap, index) of the last call: every GDN layer of a pass shares them
-_PADDED: list = [None, None]      # (cu_seqlens, its padded layout) of the last call, likewise
+_LAYOUTS: list = [None, {}]   # the last cu_seqlens tensor and the index tensors derived from it: every layer of a
+                              # pass shares them (as fla keys its chunk plans on the tensor)
 
 
-def _padded_index(cu_seqlens: Tensor) -> tuple[Tensor, int, int]:
+def _layout(cu_seqlens: Tensor, key: object, make: Callable[[], Any]) -> Any:
+    """``make()``, computed once per ``cu_seqlens`` tensor and ``key``."""
+    if _LAYOUTS[0] is not cu_seqlens:
+        _LAYOUTS[:] = [cu_seqlens, {}]
+    if key not in _LAYOUTS[1]:
+        _LAYOUTS[1][key] = make()
+    return _LAYOUTS[1][key]
+
+
+def _row_of(cu_seqlens: Tensor, device: torch.device) -> Tensor:
+    """Each packed token's row ``[M]`` (one host sync, once per ``cu_seqlens``)."""
+    return _layout(cu_seqlens, ("row_of", device), lambda: torch.repeat_interleave(
+        torch.arange(len(cu_seqlens) - 1, device=device), (cu_seqlens[1:] - cu_seqlens[:-1]).to(device)))
+
+
+def _padded_index(cu_seqlens: Tensor, device: torch.device) -> tuple[Tensor, int, int]:
     """Where each packed token sits in a right-padded batch ``[R, L]`` flattened (``index [M]``), with R and the
-    longest row L; computed once per ``cu_seqlens`` tensor (one host sync)."""
-    if _PADDED[0] is not cu_seqlens:
-        cu = cu_seqlens.long()
-        lens = cu[1:] - cu[:-1]                                                                 # [R]
-        rows, longest = len(lens), int(lens.max()) if len(lens) else 0
-        row_of = torch.repeat_interleave(torch.arange(rows, device=cu.device), lens)            # [M]
-        pos = torch.arange(len(row_of), device=cu.device) - cu[:-1][row_of]                    # [M]
-        _PADDED[:] = [cu_seqlens, (row_of * longest + pos, rows, longest)]
-    return _PADDED[1]
+    longest row L."""
+    def make() -> tuple[Tensor, int, int]:
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        rows, row_of = len(cu) - 1, _row_of(cu_seqlens, device)                               # [M]
+        longest = int((cu[1:] - cu[:-1]).max()) if rows else 0
+        pos = torch.arange(len(row_of), device=device) - cu[:-1][row_of]                        # [M]
+        return row_of * longest + pos, rows, longest
+    return _layout(cu_seqlens, ("padded", device), make)
 
 
 def _to_padded(x: Tensor, index: Tensor, rows: int, longest: int) -> Tensor:
@@ -82,14 +98,9 @@ def _to_padded(x: Tensor, index: Tensor, rows: int, longest: int) -> Tensor:
 
 
 def _spread(cu_seqlens: Tensor, gap: int, device: torch.device) -> Tensor:
-    """Where each packed token goes when ``gap`` zeros precede every row ``[M]``; computed once per ``cu_seqlens``
-    tensor (one host sync), as fla keys its chunk plans."""
-    if _SPREAD[0] is not cu_seqlens or _SPREAD[1] != gap:
-        rows = len(cu_seqlens) - 1
-        row_of = torch.repeat_interleave(torch.arange(rows, device=device),
-                                         (cu_seqlens[1:] - cu_seqlens[:-1]).to(device))         # [M]
-        _SPREAD[:] = [cu_seqlens, gap, torch.arange(len(row_of), device=device) + gap * (row_of + 1)]
-    return _SPREAD[2]
+    """Where each packed token goes when ``gap`` zeros precede every row ``[M]``."""
+    return _layout(cu_seqlens, ("spread", gap, device), lambda: torch.arange(
+        int(cu_seqlens[-1]), device=device) + gap * (_row_of(cu_seqlens, device) + 1))
 
 
 @cache
@@ -124,7 +135,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_le
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         cu = cu_seqlens.to(torch.int32)
         return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
-    index, rows, longest = _padded_index(cu_seqlens)
+    index, rows, longest = _padded_index(cu_seqlens, q.device)
     qs, ks, vs = (_to_padded(t, index, rows, longest).transpose(1, 2) for t in (q, k, v))        # [R, H, L, D]
     o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != qs.shape[1])
     return o.transpose(1, 2).flatten(0, 1).index_select(0, index)                                # [M, Hq, D]
