@@ -59,11 +59,6 @@ def plain_path(lin: object) -> tuple[Tensor, Tensor, float] | None:
     return down.weight, up.weight, float(lin.scaling[a])
 
 
-def add_lora(lin: nn.Module, x: Tensor, out: Tensor) -> Tensor:
-    """``out`` (the base product of ``x``) plus ``lin``'s active adapters (see :func:`add_loras`)."""
-    return add_loras((lin,), x, (out,))[0]
-
-
 def add_loras(lins: Sequence[nn.Module], x: Tensor, outs: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """Each projection's output (the base product of ``x``) plus its active adapters, as peft's
     ``lora.Linear.forward`` adds them; a packed group's (q|k|v, the GDN in-projections, gate|up) plain paths in one

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import reference, varlen
-from .adapters import adapted, add_lora, add_loras
+from .adapters import adapted, add_loras
 
 SPEC = "_segki_spec"
 
@@ -64,7 +65,12 @@ def _normed(x: Tensor, norm: nn.Module | None) -> Tensor:
 
 def _project(lin: nn.Module, x: Tensor) -> Tensor:
     """``lin(x)``: the product with its weight (and bias), plus a LoRA layer's low-rank path (:mod:`.adapters`)."""
-    return add_lora(lin, x, ops.linear(x, lin.weight, lin.bias))
+    return _projects((lin,), x)[0]
+
+
+def _projects(lins: Sequence[nn.Module], x: Tensor) -> tuple[Tensor, ...]:
+    """:func:`_project` for projections of the same x, their plain low-rank paths added as one group."""
+    return add_loras(lins, x, [ops.linear(x, lin.weight, lin.bias) for lin in lins])
 
 
 def norm_prologue(norm: nn.Module | None) -> dict[str, Any]:
@@ -91,9 +97,7 @@ def _gated_mlp_adapted(self: nn.Module, x: Tensor, residual: Tensor | None, norm
     """:func:`gated_mlp_forward` with LoRA on its projections: each projection a product plus its low-rank path,
     the norm, the SiLU gate and the residual add on their own (none fused into a projection's launch)."""
     x = _normed(x, norm)
-    gate, up = self.gate_proj, self.up_proj
-    h = ops.silu_mul(*add_loras((gate, up), x, (ops.linear(x, gate.weight, gate.bias),
-                                                 ops.linear(x, up.weight, up.bias))))      # [..., I]
+    h = ops.silu_mul(*_projects((self.gate_proj, self.up_proj), x))                # [..., I]
     out = _project(self.down_proj, h)                                           # [..., H]
     return out if residual is None else out + residual
 
