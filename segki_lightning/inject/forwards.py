@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import reference, varlen
-from .adapters import adapted, add_loras
+from .adapters import adapted, add_lora_residual, add_loras, silu_loras
 
 SPEC = "_segki_spec"
 
@@ -94,12 +94,23 @@ def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None
 
 
 def _gated_mlp_adapted(self: nn.Module, x: Tensor, residual: Tensor | None, norm: nn.Module | None) -> Tensor:
-    """:func:`gated_mlp_forward` with LoRA on its projections: each projection a product plus its low-rank path,
-    the norm, the SiLU gate and the residual add on their own (none fused into a projection's launch)."""
+    """:func:`gated_mlp_forward` with LoRA on its projections: the norm on its own; gate|up as plain products (one
+    where packed), their low-rank paths and the SiLU gate after them in one op; the down projection, its path and
+    the residual add in one op (:mod:`.adapters`)."""
     x = _normed(x, norm)
-    h = ops.silu_mul(*_projects((self.gate_proj, self.up_proj), x))                # [..., I]
-    out = _project(self.down_proj, h)                                           # [..., H]
-    return out if residual is None else out + residual
+    gate, up = self.gate_proj, self.up_proj
+    if gate.bias is None and up.bias is None:
+        h = silu_loras(gate, up, x, *ops.projections(x, (gate.weight, up.weight)))    # [..., I]
+    else:
+        h = ops.silu_mul(*_projects((gate, up), x))
+    return _project(self.down_proj, h) if residual is None else _project_add(self.down_proj, h, residual)
+
+
+def _project_add(lin: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``lin(x) + residual``: the add inside the product's launch without adapters, inside their paths' with."""
+    if not adapted(lin):
+        return ops.linear(x, lin.weight, lin.bias, residual)
+    return add_lora_residual(lin, x, ops.linear(x, lin.weight, lin.bias), residual)
 
 
 # -------------------------------------------------------------------------------------- attention QKV
@@ -337,11 +348,10 @@ def _out_projection(y: Tensor, proj: nn.Module, residual: Tensor | None, post_no
     into the norm, :func:`ops.linear_add_rms_norm`)."""
     bsz = y.shape[0]
     res = residual[:, 0] if residual is not None else None                        # [B, H]
-    if adapted(proj):   # the adapter's path joins the product first: the add (and norm) on their own
-        out = _project(proj, y)                                                    # [B, H]
+    if adapted(proj):   # the adapter's path joins the product first: the add in its launch, the norm on its own
         if post_norm is None:
-            return (out if res is None else out + res).view(bsz, 1, -1)
-        normed, h = ops.add_rms_norm(out, res, *post_norm)
+            return (_project(proj, y) if res is None else _project_add(proj, y, res)).view(bsz, 1, -1)
+        normed, h = ops.add_rms_norm(_project(proj, y), res, *post_norm)
         return normed.view(bsz, 1, -1), h.view(bsz, 1, -1)
     if post_norm is None:
         return ops.linear(y, proj.weight, proj.bias, res).view(bsz, 1, -1)

@@ -3,7 +3,8 @@
 Shapes: ``x [..., K]``; member i: ``outs[i] [..., N_i]`` (x's dtype), ``a[i] [r_i, K]``, ``b[i] [N_i, r_i]`` (fp32 or
 x's dtype), ``scales[i]`` a float. The roundings are peft's (``lora.Linear.forward``): x cast to the adapters'
 dtype, each product in that dtype, the path scaled in it, the base output promoted to it for the add and the sum
-rounded back to the output's dtype.
+rounded back to the output's dtype. What the op can finish after that, as the unfused ops would: for one member a
+``residual [..., N_0]`` added (``out + residual`` in x's dtype), for two (gate, up) ``silu_mul`` of the two.
 """
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor
 
+from .linear import silu_mul
 
-def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]
-             ) -> list[Tensor]:
-    """``outs[i] + scales[i] * (x @ a[i]^T) @ b[i]^T`` for each member, each in ``outs[i]``'s dtype."""
-    return [(out + F.linear(F.linear(x.to(ai.dtype), ai), bi) * s).to(out.dtype)
-            for out, ai, bi, s in zip(outs, a, b, scales)]
+
+def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float],
+             residual: Tensor | None = None, silu: bool = False) -> list[Tensor]:
+    """``outs[i] + scales[i] * (x @ a[i]^T) @ b[i]^T`` for each member, each in ``outs[i]``'s dtype; with
+    ``residual`` (one member) that plus ``residual``; with ``silu`` (two members) ``[silu_mul(gate, up)]``."""
+    res = [(out + F.linear(F.linear(x.to(ai.dtype), ai), bi) * s).to(out.dtype)
+           for out, ai, bi, s in zip(outs, a, b, scales)]
+    if silu:
+        return [silu_mul(*res)]
+    return [res[0] + residual] if residual is not None else res
