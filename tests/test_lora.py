@@ -230,36 +230,38 @@ def test_a_groups_plain_paths_take_one_op_and_equal_peft(tmp_path, monkeypatch):
     assert all(adapters.plain_path(lin) is None for lin in lins)
 
 
-def test_the_mlps_paths_take_the_silu_gate_and_the_residual_add_into_their_ops(tmp_path, monkeypatch):
+def test_the_mlps_paths_take_the_silu_gate_the_residual_add_and_the_norm_into_their_ops(tmp_path, monkeypatch):
     """gate|up's two LoRA paths and the SiLU gate after them are one ``ops.lora_add`` (``silu``), the down projection's
-    path and the residual add another (``residual``); each equals peft's modules and the unfused ops bit for bit (bf16,
-    whose roundings the fused form must keep: each projection rounded, then the gate, then the add). A path that is
-    not plain (live dropout) leaves both to peft's modules and the separate ops, with the same result."""
-    from segki_lightning import ops
+    path and the residual add another (``residual``); with the layer's norm before the MLP, the first takes x before it
+    (``norm_w``) as the products' norm prologue does. Each equals peft's modules and the unfused ops bit for bit (bf16,
+    whose roundings the fused form must keep: the norm rounded, each projection rounded, then the gate, then the
+    add). A path that is not plain (live dropout) leaves all to peft's modules and the separate ops, same result."""
+    from segki_lightning import apply_segment_ki, ops
     from segki_lightning.inject import forwards
 
     peft_model, model = lora_policy(tmp_path, lora_dropout=0.2)
     model.to(torch.bfloat16)
-    mlp = next(m for m in model.modules() if hasattr(m, "gate_proj"))
+    apply_segment_ki(model)
+    layer = next(m for m in model.modules() if hasattr(m, "post_attention_layernorm"))
+    mlp, norm = layer.mlp, layer.post_attention_layernorm
     x = torch.randn(5, mlp.gate_proj.in_features, dtype=torch.bfloat16)
     residual = torch.randn(5, mlp.down_proj.out_features, dtype=torch.bfloat16)
     calls = []
     monkeypatch.setattr(ops, "lora_add", lambda x, outs, *rest, **kw: calls.append(
-        (len(outs), kw.get("silu", False), kw.get("residual") is not None)) or ops.dispatch.lora_add(x, outs, *rest, **kw))
-    model.eval()
-    with torch.no_grad():
-        h = ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x))   # peft's lora.Linear.forward, then the gate
-        want = mlp.down_proj(h) + residual
-        got = forwards._gated_mlp_adapted(mlp, x, residual, None)
-    assert calls == [(2, True, False), (1, False, True)] and torch.equal(got, want)
-    calls.clear()
-    model.train()   # dropout acts: peft's modules, the gate and the add on their own
-    with torch.no_grad():
-        torch.manual_seed(0)
-        want = mlp.down_proj(ops.silu_mul(mlp.gate_proj(x), mlp.up_proj(x))) + residual
-        torch.manual_seed(0)
-        got = forwards._gated_mlp_adapted(mlp, x, residual, None)
-    assert calls == [] and torch.equal(got, want)
+        (len(outs), kw.get("silu", False), kw.get("residual") is not None, kw.get("norm_w") is norm.weight))
+        or ops.dispatch.lora_add(x, outs, *rest, **kw))
+    for with_norm in (False, True):
+        h_in = norm(x) if with_norm else x
+        for training in (False, True):   # training: dropout acts, peft's modules, the gate and the add on their own
+            model.train(training)
+            calls.clear()
+            with torch.no_grad():
+                torch.manual_seed(0)
+                want = mlp.down_proj(ops.silu_mul(mlp.gate_proj(h_in), mlp.up_proj(h_in))) + residual
+                torch.manual_seed(0)
+                got = forwards._gated_mlp_adapted(mlp, x, residual, norm if with_norm else None)
+            assert torch.equal(got, want), (with_norm, training)
+            assert calls == ([] if training else [(2, True, False, with_norm), (1, False, True, False)])
 
 
 def test_the_flop_count_leaves_out_the_frozen_base_weight_gradients(tmp_path):

@@ -7,7 +7,8 @@
 // rounded to the output's dtype. W is fp32 or the outputs' half dtype. Instead of peft's five or six launches a
 // projection (the cast, two products, the scale, the add, the rounding), two a group. The expand can also finish
 // what the projection's own launch would have fused after it: the residual add of an output projection (one
-// member: res + residual, rounded) or the MLP's SiLU gate (gate|up: silu(gate') * up', rounded once).
+// member: res + residual, rounded) or the MLP's SiLU gate (gate|up: silu(gate') * up', rounded once); and the shrink
+// can take x before the RMSNorm that a product runs in its prologue (the norm then needs no launch of its own).
 // Reference: segki_lightning/ops/reference/lora.py.
 //
 // Each A is read once per row tile of 8 rows (a shrink block stages a slice of it in shared memory for its rows,
@@ -43,6 +44,9 @@ struct Group {
   const void* residual;               // one member: added to its result after the rounding, or nullptr
   int64_t residual_ld;
   bool silu;                          // two members (gate, up): the one result silu(gate') * up'
+  const void* norm_w;                 // the RMSNorm x goes through first (its weight, [K]), or nullptr
+  float norm_eps;
+  bool norm_unit_offset;
 };
 
 __device__ __forceinline__ float as_float(float v) { return v; }
@@ -58,8 +62,10 @@ __device__ __forceinline__ float round_w(float v) {
 
 // grid (slices of K, members, row tiles), kShrinkWarps warps: block (s, i, rt) stages RT rank rows at a time of
 // member i's A, columns [s * slice, (s + 1) * slice), in shared memory; warp w sums row rt * 8 + w of x against
-// them, each lane over every 32nd column, then across the warp. A is read after the wait: an optimizer step before
-// an eager call may have written it.
+// them, each lane over every 32nd column, then across the warp; with a norm, x's row normalized on the way (its
+// sum of squares over the whole row first; each value rounded to x's dtype, as the norm kernel writes it and the
+// product's norm prologue stages it). A is read after the wait: an optimizer step before an eager call may have
+// written it.
 template <typename T, typename W, int RT>
 __global__ void __launch_bounds__(kShrinkWarps * 32)
     lora_shrink_kernel(const T* __restrict__ x, int K, int rows, int slice, Group<W> g, float* __restrict__ part,
@@ -70,6 +76,16 @@ __global__ void __launch_bounds__(kShrinkWarps * 32)
   const int row = blockIdx.z * kShrinkWarps + warp, r = g.rank[i], k0 = s * slice, kn = min(slice, K - k0);
   const T* xr = x + (int64_t)row * K + k0;
   float* p = part + (((int64_t)i * gridDim.x + s) * rows + row) * R;   // [members, slices, rows, R]
+  const T* norm_w = static_cast<const T*>(g.norm_w);
+  float inv = 0.f;
+  if (norm_w != nullptr && row < rows) {
+    float ss = 0.f;
+    for (int k = lane; k < K; k += 32) {
+      const float v = as_float(x[(int64_t)row * K + k]);
+      ss = fmaf(v, v, ss);
+    }
+    inv = rms_inverse(warp_sum(ss), K, g.norm_eps);
+  }
   for (int j0 = 0; j0 < r; j0 += RT) {
     const int nj = min(RT, r - j0);
     __syncthreads();  // the last tile's reads are done
@@ -81,7 +97,8 @@ __global__ void __launch_bounds__(kShrinkWarps * 32)
     if (row >= rows) continue;
     float acc[RT] = {};
     for (int kk = lane; kk < kn; kk += 32) {
-      const float xv = as_float(xr[kk]);   // x in W: exact (W is fp32 or x's own dtype)
+      float xv = as_float(xr[kk]);   // x in W: exact (W is fp32 or x's own dtype)
+      if (norm_w != nullptr) xv = round_to<T>(rms_scaled<T>(xv, inv, as_float(norm_w[k0 + kk]), g.norm_unit_offset));
 #pragma unroll
       for (int jj = 0; jj < RT; ++jj) acc[jj] += xv * a_s[jj * kn + kk];
     }
@@ -176,7 +193,8 @@ int slice_cols(int64_t K, int members, int64_t rows, int rank) {
 }
 
 std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::TensorList a, at::TensorList b,
-                                 at::ArrayRef<double> scales, const c10::optional<at::Tensor>& residual, bool silu) {
+                                 at::ArrayRef<double> scales, const c10::optional<at::Tensor>& residual, bool silu,
+                                 const c10::optional<at::Tensor>& norm_w, double norm_eps, bool norm_unit_offset) {
   const char* op = "segki::lora_add";
   const int m = (int)outs.size();
   TORCH_CHECK(m >= 1 && m <= kMaxMembers && (int)a.size() == m && (int)b.size() == m && (int)scales.size() == m,
@@ -212,6 +230,10 @@ std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::T
     TORCH_CHECK(residual->numel() == outs[0].numel() && residual->size(-1) == outs[0].size(-1), op, ": residual ",
                 residual->sizes(), " is not shaped as the output ", outs[0].sizes());
   }
+  if (norm_w.has_value()) {
+    check_cuda_half(*norm_w, op, "norm_w", dtype);
+    TORCH_CHECK(norm_w->numel() == K, op, ": norm_w of ", norm_w->numel(), " values for x's ", K, " columns");
+  }
   c10::cuda::CUDAGuard guard(x.device());
   const int row_tiles = (int)((rows + kShrinkWarps - 1) / kShrinkWarps);
   const int slice = slice_cols(K, m, rows, max_rank), slices = (int)((K + slice - 1) / slice);
@@ -226,6 +248,9 @@ std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::T
       g.silu = silu;
       g.residual = residual.has_value() ? residual->data_ptr() : nullptr;
       g.residual_ld = residual_ld;
+      g.norm_w = norm_w.has_value() ? norm_w->data_ptr() : nullptr;
+      g.norm_eps = (float)norm_eps;
+      g.norm_unit_offset = norm_unit_offset;
       for (int i = 0; i < m; ++i) {
         if (!silu || i == 0)
           res.push_back(at::empty(outs[i].sizes(), outs[i].options().memory_format(at::MemoryFormat::Contiguous)));

@@ -144,10 +144,12 @@ def test_lora_add(shape, rank, batch, dtype, adapters, monkeypatch):
 @pytest.mark.parametrize("shape,rank,finish", [("4b_gate_up", 16, "silu"), ("08b_gate_up", 64, "silu"),
                                                ("4b_down", 16, "residual"), ("4b_o_proj", 33, "residual"),
                                                ("odd_long_k", 7, "none")])
-def test_lora_add_finishes(shape, rank, finish, batch, dtype, adapters):
+@pytest.mark.parametrize("norm", [False, True])
+def test_lora_add_finishes(shape, rank, finish, batch, dtype, adapters, norm):
     """The expand's finishing steps against the reference (peft's composition, then the unfused op): gate|up's
     SiLU gate (one result), an output projection's residual add (a column-sliced residual); a K of 8200 over the
-    shrink's slice forms. Ranks past ``LORA_OP_RANK`` go to the reference."""
+    shrink's slice forms; with ``norm`` x before an RMSNorm (both weight forms), which the shrink applies. Ranks past
+    ``LORA_OP_RANK`` go to the reference."""
     k, ns = PROJ_SHAPES[shape]
     ns = ns[:1] if finish == "residual" else ns
     wdt = torch.float32 if adapters == "fp32" else dtype
@@ -158,6 +160,8 @@ def test_lora_add_finishes(shape, rank, finish, batch, dtype, adapters):
     b = [randn(n, rank, dtype=wdt, scale=rank**-0.5) for n in ns]
     scales = [2.0, 0.5, 1.0, 0.25][:len(ns)]
     kw = dict(residual=residual, silu=finish == "silu")
+    if norm:
+        kw.update(norm_w=randn(k, dtype=dtype, scale=0.2), norm_eps=1e-6, norm_unit_offset=dtype == torch.bfloat16)
     poison((batch, ns[0]), dtype=dtype)
     got = torch.ops.segki.lora_add(x, outs, a, b, scales, **kw)
     want = R.lora_add(x, outs, a, b, scales, **kw)
