@@ -246,10 +246,12 @@ def test_the_mlps_paths_take_the_silu_gate_the_residual_add_and_the_norm_into_th
     mlp, norm = layer.mlp, layer.post_attention_layernorm
     x = torch.randn(5, mlp.gate_proj.in_features, dtype=torch.bfloat16)
     residual = torch.randn(5, mlp.down_proj.out_features, dtype=torch.bfloat16)
-    calls = []
+    calls, gates = [], []
     monkeypatch.setattr(ops, "lora_add", lambda x, outs, *rest, **kw: calls.append(
         (len(outs), kw.get("silu", False), kw.get("residual") is not None, kw.get("norm_w") is norm.weight))
         or ops.dispatch.lora_add(x, outs, *rest, **kw))
+    silu_mul = ops.dispatch.silu_mul   # where the op falls back, the gate by its own dispatch (fla's in training)
+    monkeypatch.setattr(ops.dispatch, "silu_mul", lambda *a: gates.append(1) or silu_mul(*a))
     for with_norm in (False, True):
         h_in = norm(x) if with_norm else x
         for training in (False, True):   # training: dropout acts, peft's modules, the gate and the add on their own
@@ -262,6 +264,7 @@ def test_the_mlps_paths_take_the_silu_gate_the_residual_add_and_the_norm_into_th
                 got = forwards._gated_mlp_adapted(mlp, x, residual, norm if with_norm else None)
             assert torch.equal(got, want), (with_norm, training)
             assert calls == ([] if training else [(2, True, False, with_norm), (1, False, True, False)])
+    assert len(gates) == 2   # the two eval calls (CPU: no native op); the training ones went through ops.silu_mul
 
 
 def test_the_flop_count_leaves_out_the_frozen_base_weight_gradients(tmp_path):

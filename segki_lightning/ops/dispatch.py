@@ -484,10 +484,14 @@ def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence
                                   and norm_w.is_contiguous()))
           and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *outs, *adapters, residual, norm_w)
                                                    if t is not None)))
-    args = (residual, silu, norm_w, float(norm_eps), bool(norm_unit_offset))
+    norm = (norm_w, float(norm_eps), bool(norm_unit_offset))
     if ok and os.environ.get("SEGKI_LORA_OP") != "0" and has_native("lora_add"):
-        return list(_native("lora_add")(x, list(outs), list(a), list(b), [float(s) for s in scales], *args))
-    return reference.lora_add(x, outs, a, b, scales, *args)
+        return list(_native("lora_add")(x, list(outs), list(a), list(b), [float(s) for s in scales], residual, silu,
+                                        *norm))
+    res = reference.lora_add(x, outs, a, b, scales, None, False, *norm)
+    if silu:   # the SiLU gate by its own dispatch (training passes: fla's fused kernel where it runs)
+        return [silu_mul(*res)]
+    return [res[0] + residual] if residual is not None else res
 
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_eps: float = 0.0,
