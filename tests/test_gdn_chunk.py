@@ -90,6 +90,27 @@ def test_chunk_positions_packed_and_padding_rows():
     assert valid.sum(1).tolist() == [3, 8, 0]
 
 
+def test_the_chunk_layout_syncs_once_per_pass_not_per_layer(monkeypatch):
+    """The valid chunk slots (a host sync) are found once per ``cu_seqlens`` tensor, which every layer of a pass
+    shares, and once per shape of equal rows; a new tensor of the same values counts again, the layout equal."""
+    from segki_lightning.ops import gdn_chunk
+
+    found = []
+    positions = gdn_chunk.chunk_positions
+    monkeypatch.setattr(gdn_chunk, "chunk_positions", lambda *a: found.append(1) or positions(*a))
+    monkeypatch.setattr(gdn_chunk, "_EQUAL_LAYOUTS", {})
+    cpu = torch.device("cpu")
+    cu = torch.tensor([0, 3, 20])
+    first = gdn_chunk._chunk_layout(1, 20, 8, cu, None, cpu)
+    assert all(gdn_chunk._chunk_layout(1, 20, 8, cu, None, cpu) is first for _ in range(5)) and len(found) == 1
+    again = gdn_chunk._chunk_layout(1, 20, 8, cu.clone(), None, cpu)
+    assert len(found) == 2 and all(torch.equal(a, b) for a, b in zip(again, first))
+    pos, valid, src, dest = first
+    assert torch.equal(src, valid.reshape(-1).nonzero()[:, 0]) and torch.equal(dest, pos.reshape(-1)[src])
+    equal = [gdn_chunk._chunk_layout(2, 12, 8, None, None, cpu) for _ in range(3)]
+    assert len(found) == 3 and all(e is equal[0] for e in equal)
+
+
 def test_a_compile_failure_falls_back_to_the_eager_math_once(monkeypatch, caplog):
     """Where ``torch.compile`` cannot build the dq/dk/dw/dg (a compiler stack without Triton, say), the call returns
     the eager function's result, says so in one warning, and later calls go straight to the eager function."""
