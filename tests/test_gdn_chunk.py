@@ -98,7 +98,7 @@ def test_the_chunk_layout_syncs_once_per_pass_not_per_layer(monkeypatch):
     found = []
     positions = gdn_chunk.chunk_positions
     monkeypatch.setattr(gdn_chunk, "chunk_positions", lambda *a: found.append(1) or positions(*a))
-    monkeypatch.setattr(gdn_chunk, "_EQUAL_LAYOUTS", {})
+    gdn_chunk._equal_layout.cache_clear()
     cpu = torch.device("cpu")
     cu = torch.tensor([0, 3, 20])
     first = gdn_chunk._chunk_layout(1, 20, 8, cu, None, cpu)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import cache
+from functools import cache, lru_cache
 
 import torch
 from torch import Tensor
@@ -120,28 +120,31 @@ def chunk_bwd_dqkwg(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: 
     return _math_on(k.device)(q, k, v, do, h, dh, w, g, dv, *layout, scale, state_v_first)
 
 
-_EQUAL_LAYOUTS: dict = {}   # (batch, length, chunk, device) -> the layout of equal-length rows
-
-
 def _chunk_layout(batch: int, length: int, chunk: int, cu_seqlens: Tensor | None, chunk_indices: Tensor | None,
                   device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(pos, valid, src, dest)`` of :func:`chunk_positions` and the valid slots' indices (``src``) and tokens
     (``dest``). Their one host sync (the count of valid slots) runs once per shape of equal rows, or once per
     ``cu_seqlens`` tensor for packed rows (the one every layer of a pass shares), not in every layer's backward."""
-    def make() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        pos, valid = chunk_positions(batch, length, chunk, cu_seqlens, chunk_indices, device)
-        src = valid.reshape(-1).nonzero()[:, 0]                                         # one host sync
-        return pos, valid, src, pos.reshape(-1)[src]
     if cu_seqlens is None:
-        key = (batch, length, chunk, device)
-        if key not in _EQUAL_LAYOUTS:
-            if len(_EQUAL_LAYOUTS) >= 8:
-                _EQUAL_LAYOUTS.clear()
-            _EQUAL_LAYOUTS[key] = make()
-        return _EQUAL_LAYOUTS[key]
+        return _equal_layout(batch, length, chunk, device)
     from .varlen import _layout   # varlen imports this module
     indices = None if chunk_indices is None else (chunk_indices.data_ptr(), tuple(chunk_indices.shape))
-    return _layout(cu_seqlens, ("dqkwg", batch, length, chunk, device, indices), make)
+    return _layout(cu_seqlens, ("dqkwg", batch, length, chunk, device, indices),
+                   lambda: _find_layout(batch, length, chunk, cu_seqlens, chunk_indices, device))
+
+
+@lru_cache(maxsize=8)
+def _equal_layout(batch: int, length: int, chunk: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_chunk_layout` of equal-length rows, by shape."""
+    return _find_layout(batch, length, chunk, None, None, device)
+
+
+def _find_layout(batch: int, length: int, chunk: int, cu_seqlens: Tensor | None, chunk_indices: Tensor | None,
+                 device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_chunk_layout`, computed."""
+    pos, valid = chunk_positions(batch, length, chunk, cu_seqlens, chunk_indices, device)
+    src = valid.reshape(-1).nonzero()[:, 0]                                             # one host sync
+    return pos, valid, src, pos.reshape(-1)[src]
 
 
 def _dqkwg_math(q: Tensor, k: Tensor, v: Tensor, do: Tensor, h: Tensor, dh: Tensor, w: Tensor | None, g: Tensor,
