@@ -230,43 +230,6 @@ def test_a_groups_plain_paths_take_one_op_and_equal_peft(tmp_path, monkeypatch):
     assert all(adapters.plain_path(lin) is None for lin in lins)
 
 
-def test_the_mlps_paths_take_the_silu_gate_the_residual_add_and_the_norm_into_their_ops(tmp_path, monkeypatch):
-    """gate|up's two LoRA paths and the SiLU gate after them are one ``ops.lora_add`` (``silu``), the down projection's
-    path and the residual add another (``residual``); with the layer's norm before the MLP, the first takes x before it
-    (``norm_w``) as the products' norm prologue does. Each equals peft's modules and the unfused ops bit for bit (bf16,
-    whose roundings the fused form must keep: the norm rounded, each projection rounded, then the gate, then the
-    add). A path that is not plain (live dropout) leaves all to peft's modules and the separate ops, same result."""
-    from segki_lightning import apply_segment_ki, ops
-    from segki_lightning.inject import forwards
-
-    peft_model, model = lora_policy(tmp_path, lora_dropout=0.2)
-    model.to(torch.bfloat16)
-    apply_segment_ki(model)
-    layer = next(m for m in model.modules() if hasattr(m, "post_attention_layernorm"))
-    mlp, norm = layer.mlp, layer.post_attention_layernorm
-    x = torch.randn(5, mlp.gate_proj.in_features, dtype=torch.bfloat16)
-    residual = torch.randn(5, mlp.down_proj.out_features, dtype=torch.bfloat16)
-    calls, gates = [], []
-    monkeypatch.setattr(ops, "lora_add", lambda x, outs, *rest, **kw: calls.append(
-        (len(outs), kw.get("silu", False), kw.get("residual") is not None, kw.get("norm_w") is norm.weight))
-        or ops.dispatch.lora_add(x, outs, *rest, **kw))
-    silu_mul = ops.dispatch.silu_mul   # where the op falls back, the gate by its own dispatch (fla's in training)
-    monkeypatch.setattr(ops.dispatch, "silu_mul", lambda *a: gates.append(1) or silu_mul(*a))
-    for with_norm in (False, True):
-        h_in = norm(x) if with_norm else x
-        for training in (False, True):   # training: dropout acts, peft's modules, the gate and the add on their own
-            model.train(training)
-            calls.clear()
-            with torch.no_grad():
-                torch.manual_seed(0)
-                want = mlp.down_proj(ops.silu_mul(mlp.gate_proj(h_in), mlp.up_proj(h_in))) + residual
-                torch.manual_seed(0)
-                got = forwards._gated_mlp_adapted(mlp, x, residual, norm if with_norm else None)
-            assert torch.equal(got, want), (with_norm, training)
-            assert calls == ([] if training else [(2, True, False, with_norm), (1, False, True, False)])
-    assert len(gates) == 2   # the two eval calls (CPU: no native op); the training ones went through ops.silu_mul
-
-
 def test_the_flop_count_leaves_out_the_frozen_base_weight_gradients(tmp_path):
     """MFU of a LoRA run: the frozen base computes no weight gradients, so forward + backward counts three forwards
     less ``2 x`` each frozen weight per token (full weights: exactly three forwards)."""

@@ -37,11 +37,8 @@ TORCH_LIBRARY(segki, m) {
         " Tensor? k_norm_w, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor positions, Tensor lengths, float eps,"
         " bool unit_offset, bool gated, float scale) -> Tensor");
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
-  // each outs[i] plus its LoRA path scales[i] * (x @ a[i]^T) @ b[i]^T, as peft's lora.Linear.forward rounds it;
-  // then, for one member, + residual (rounded again), or for two (gate, up) the one result silu(gate) * up; with
-  // norm_w, x is the input of the RMSNorm before the projections (the paths read its output)
-  m.def("lora_add(Tensor x, Tensor[] outs, Tensor[] a, Tensor[] b, float[] scales, Tensor? residual=None,"
-        " bool silu=False, Tensor? norm_w=None, float norm_eps=0.0, bool norm_unit_offset=False) -> Tensor[]");
+  // each outs[i] plus its LoRA path scales[i] * (x @ a[i]^T) @ b[i]^T, as peft's lora.Linear.forward rounds it
+  m.def("lora_add(Tensor x, Tensor[] outs, Tensor[] a, Tensor[] b, float[] scales) -> Tensor[]");
   m.def("gdn_decode_step(Tensor qkv, Tensor z, Tensor b, Tensor a, Tensor(a!) conv_state, Tensor conv_weight,"
         " Tensor? conv_bias, Tensor(b!) recurrent_state, Tensor A_log, Tensor dt_bias, Tensor norm_weight,"
         " float norm_eps, int num_k_heads, int head_k_dim, int head_v_dim) -> Tensor");

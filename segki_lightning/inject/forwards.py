@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..ops import reference, varlen
-from .adapters import adapted, add_lora_residual, add_loras, silu_loras
+from .adapters import adapted, add_loras
 
 SPEC = "_segki_spec"
 
@@ -94,23 +94,12 @@ def gated_mlp_forward(self: nn.Module, x: Tensor, residual: Tensor | None = None
 
 
 def _gated_mlp_adapted(self: nn.Module, x: Tensor, residual: Tensor | None, norm: nn.Module | None) -> Tensor:
-    """:func:`gated_mlp_forward` with LoRA on its projections: gate|up as plain products (one where packed, the norm
-    in its prologue where it folds), their low-rank paths (the norm again in their first launch) and the SiLU gate
-    after them in one op; the down projection, its path and the residual add in one op (:mod:`.adapters`)."""
-    gate, up = self.gate_proj, self.up_proj
-    if gate.bias is None and up.bias is None:
-        pro = norm_prologue(norm)
-        h = silu_loras(gate, up, x, *ops.projections(x, (gate.weight, up.weight), **pro), **pro)   # [..., I]
-    else:
-        h = ops.silu_mul(*_projects((gate, up), _normed(x, norm)))
-    return _project(self.down_proj, h) if residual is None else _project_add(self.down_proj, h, residual)
-
-
-def _project_add(lin: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
-    """``lin(x) + residual``: the add inside the product's launch without adapters, inside their paths' with."""
-    if not adapted(lin):
-        return ops.linear(x, lin.weight, lin.bias, residual)
-    return add_lora_residual(lin, x, ops.linear(x, lin.weight, lin.bias), residual)
+    """:func:`gated_mlp_forward` with LoRA on its projections: each projection a product plus its low-rank path,
+    the norm, the SiLU gate and the residual add on their own (none fused into a projection's launch)."""
+    x = _normed(x, norm)
+    h = ops.silu_mul(*_projects((self.gate_proj, self.up_proj), x))                # [..., I]
+    out = _project(self.down_proj, h)                                           # [..., H]
+    return out if residual is None else out + residual
 
 
 # -------------------------------------------------------------------------------------- attention QKV
@@ -235,9 +224,9 @@ def _attention_decode(self: nn.Module, s: AttentionSpec, x: Tensor, rope_tables:
     projection; ``post_norm``: see :func:`_out_projection`."""
     bsz = x.shape[0]
     qp, kp, vp = self.q_proj, self.k_proj, self.v_proj
-    h, pro = _projection_input(x, norm, normed)                                              # [B, H]
+    h, pro = _projection_input(x, norm, normed, adapted(qp, kp, vp))                         # [B, H]
     q, k, v = ops.qkv_proj(h, qp.weight, kp.weight, vp.weight, qp.bias, kp.bias, vp.bias, **pro)  # [B, Hq*D(*2)] ...
-    q, k, v = add_loras((qp, kp, vp), h, (q, k, v), **pro)
+    q, k, v = add_loras((qp, kp, vp), h, (q, k, v))
     cos, sin = (t.expand(bsz, 1, t.shape[-1]).reshape(bsz, -1) for t in rope_tables)             # [B, R]
     q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if s.norm is not None else (None, None)
     eps, unit_offset = (s.norm.eps, s.norm.unit_offset) if s.norm is not None else (0.0, False)
@@ -261,11 +250,11 @@ GDN_IN = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 
 
 def _gdn_in_proj(self: nn.Module, x: Tensor, **prologue: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """qkv, z, b, a of a Gated-DeltaNet block from its four projection weights, plus their LoRA paths (of x after the
-    norm ``prologue`` when given)."""
+    """qkv, z, b, a of a Gated-DeltaNet block from its four projection weights (plus their LoRA paths; x as the
+    product saw it: with a norm ``prologue`` there is no LoRA, see :func:`_projection_input`)."""
     lins = [getattr(self, n) for n in GDN_IN]
     out = ops.gdn_in_proj(x, *(lin.weight for lin in lins), **prologue)
-    return add_loras(lins, x, out, **prologue)
+    return add_loras(lins, x, out)
 
 
 def gdn_forward(self: nn.Module, hidden_states: Tensor, cache: Any = None, attention_mask: Tensor | None = None,
@@ -315,7 +304,7 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
     applied to x first, in the input projection, unless ``normed [B, 1, K]`` brings ``norm(x)`` (computed ahead);
     ``residual [B, 1, K]``: added in ``out_proj``; ``post_norm``: see :func:`_out_projection`."""
     lora = adapted(*(getattr(self, n) for n in GDN_IN))
-    h, pro = _projection_input(x, norm, normed)                                    # h [B, K]
+    h, pro = _projection_input(x, norm, normed, lora)                              # h [B, K]
     w = tuple(getattr(self, n).weight for n in GDN_IN)
     conv = (conv_state, self.conv1d.weight[:, 0], self.conv1d.bias)                 # [B, C, W] [C, W] [C]
     tail = (recurrent_state, self.A_log, self.dt_bias, self.norm.weight, s.norm_eps, s.num_k_heads, s.head_k_dim,
@@ -329,11 +318,14 @@ def _gdn_decode(self: nn.Module, s: GDNSpec, x: Tensor, conv_state: Tensor, recu
     return _out_projection(core, self.out_proj, residual, post_norm)
 
 
-def _projection_input(x: Tensor, norm: nn.Module | None, normed: Tensor | None) -> tuple[Tensor, dict[str, Any]]:
+def _projection_input(x: Tensor, norm: nn.Module | None, normed: Tensor | None, lora: bool = False
+                      ) -> tuple[Tensor, dict[str, Any]]:
     """A mixer's input projection's x ``[B, H]`` and norm prologue: ``norm(x)`` given ahead, with none; else x and
-    ``norm``'s."""
+    ``norm``'s, or with ``lora`` (the adapters' paths need the normed x too) ``norm(x)`` on its own."""
     if normed is not None:
         return normed[:, 0], {}
+    if lora:
+        return _normed(x[:, 0], norm), {}
     return x[:, 0], norm_prologue(norm)
 
 
@@ -345,10 +337,11 @@ def _out_projection(y: Tensor, proj: nn.Module, residual: Tensor | None, post_no
     into the norm, :func:`ops.linear_add_rms_norm`)."""
     bsz = y.shape[0]
     res = residual[:, 0] if residual is not None else None                        # [B, H]
-    if adapted(proj):   # the adapter's path joins the product first: the add in its launch, the norm on its own
+    if adapted(proj):   # the adapter's path joins the product first: the add (and norm) on their own
+        out = _project(proj, y)                                                    # [B, H]
         if post_norm is None:
-            return (_project(proj, y) if res is None else _project_add(proj, y, res)).view(bsz, 1, -1)
-        normed, h = ops.add_rms_norm(_project(proj, y), res, *post_norm)
+            return (out if res is None else out + res).view(bsz, 1, -1)
+        normed, h = ops.add_rms_norm(out, res, *post_norm)
         return normed.view(bsz, 1, -1), h.view(bsz, 1, -1)
     if post_norm is None:
         return ops.linear(y, proj.weight, proj.bias, res).view(bsz, 1, -1)

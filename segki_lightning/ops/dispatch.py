@@ -404,22 +404,6 @@ def skinny_linear(x: Tensor, weight: Tensor, residual: Tensor | None = None, gat
     return reference.skinny_linear(*args)
 
 
-def projections(x: Tensor, weights: Sequence[Tensor], norm_w: Tensor | None = None, norm_eps: float = 0.0,
-                norm_unit_offset: bool = False) -> tuple[Tensor, ...]:
-    """``x [..., K]`` times each of ``weights`` (no biases, no epilogue), after the norm prologue as in
-    :func:`gated_mlp_front`: one skinny product where it takes the packed weights, else one cuBLAS product when they
-    are packed (outputs: column slices of it), else one product each."""
-    weights = tuple(weights)
-    y = _skinny_joint(x, weights, norm_w, norm_eps, norm_unit_offset)
-    if y is not None:
-        return tuple(y.split([w.shape[0] for w in weights], dim=-1))
-    x = _norm_first(x, norm_w, norm_eps, norm_unit_offset)
-    parts = _joint_product(x, weights) if x.shape[-1] % 8 == 0 else None
-    if parts is not None:
-        return tuple(p.unflatten(0, x.shape[:-1]) for p in parts)
-    return tuple(linear(x, w) for w in weights)
-
-
 def gated_mlp_front(x: Tensor, w_gate: Tensor, w_up: Tensor, norm_w: Tensor | None = None, norm_eps: float = 0.0,
                     norm_unit_offset: bool = False) -> Tensor:
     """See :func:`reference.gated_mlp_front`. At up to ``SKINNY_ROUTE_ROWS`` rows on packed weights: the skinny
@@ -453,45 +437,26 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return reference.silu_mul(gate, up)
 
 
-# Rows up to which the native lora_add runs (decode): its shrink reads each member's A once per 8 rows, where a
-# prefill's thousands of rows want cuBLAS products (the reference's); ranks up to which it runs (the expand holds a
-# B row in registers).
-LORA_OP_ROWS, LORA_OP_RANK = 64, 64
+# Rows up to which the native lora_add runs (decode): its shrink re-reads each member's A for every row, where a
+# prefill's thousands of rows want cuBLAS products (the reference's).
+LORA_OP_ROWS = 64
 
 
-def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float],
-             residual: Tensor | None = None, silu: bool = False, norm_w: Tensor | None = None, norm_eps: float = 0.0,
-             norm_unit_offset: bool = False) -> list[Tensor]:
+def lora_add(x: Tensor, outs: Sequence[Tensor], a: Sequence[Tensor], b: Sequence[Tensor], scales: Sequence[float]
+             ) -> list[Tensor]:
     """See :func:`reference.lora_add`: one group's LoRA paths in two launches (``csrc/lora.cu``) where the native op
-    takes them -- up to ``LORA_OP_ROWS`` rows of a half dtype, adapters of fp32 or that dtype and ranks up to
-    ``LORA_OP_RANK``, 1-4 members, no autograd -- else the reference (peft's five or six launches a member; also
-    under ``SEGKI_LORA_OP=0``); ``residual`` (one member) and ``silu`` (gate, up) inside the second launch, the
-    norm (``norm_w``: x before a projection's norm prologue) inside the first. The switch is read at each call, so a
-    captured graph keeps the path it was captured with."""
-    if silu and (len(outs) != 2 or outs[0].shape != outs[1].shape):
-        raise ValueError(f"lora_add: silu takes two outputs of one shape (gate, up), got {[o.shape for o in outs]}")
-    if residual is not None and (silu or len(outs) != 1 or residual.shape[-1] != outs[0].shape[-1]):
-        raise ValueError("lora_add: a residual goes with one output of its width and no silu")
+    takes them -- up to ``LORA_OP_ROWS`` rows of a half dtype, adapters of fp32 or that dtype, 1-4 members, no
+    autograd -- else the reference (peft's five or six launches a member; also under ``SEGKI_LORA_OP=0``). The
+    switch is read at each call, so a captured graph keeps the path it was captured with."""
     adapters, k = [*a, *b], x.shape[-1]
     ok = (0 < len(outs) <= 4 and x.is_cuda and x.dtype in NATIVE_DTYPES and x.is_contiguous()
-          and 0 < k and 0 < x.numel() // k <= LORA_OP_ROWS and adapters[0].dtype in (torch.float32, x.dtype)
-          and all(0 < ai.shape[0] <= LORA_OP_RANK for ai in a)
+          and 0 < k and x.numel() // k <= LORA_OP_ROWS and adapters[0].dtype in (torch.float32, x.dtype)
           and all(t.dtype == adapters[0].dtype and t.is_contiguous() and t.device == x.device for t in adapters)
           and all(o.dtype == x.dtype and o.device == x.device and _rows_ok(o) for o in outs)
-          and (residual is None or (residual.dtype == x.dtype and residual.device == x.device and _rows_ok(residual)
-                                    and residual.numel() == outs[0].numel()))
-          and (norm_w is None or (norm_w.dtype == x.dtype and norm_w.device == x.device and norm_w.shape == (k,)
-                                  and norm_w.is_contiguous()))
-          and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *outs, *adapters, residual, norm_w)
-                                                   if t is not None)))
-    norm = (norm_w, float(norm_eps), bool(norm_unit_offset))
+          and not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, *outs, *adapters))))
     if ok and os.environ.get("SEGKI_LORA_OP") != "0" and has_native("lora_add"):
-        return list(_native("lora_add")(x, list(outs), list(a), list(b), [float(s) for s in scales], residual, silu,
-                                        *norm))
-    res = reference.lora_add(x, outs, a, b, scales, None, False, *norm)
-    if silu:   # the SiLU gate by its own dispatch (training passes: fla's fused kernel where it runs)
-        return [silu_mul(*res)]
-    return [res[0] + residual] if residual is not None else res
+        return list(_native("lora_add")(x, list(outs), list(a), list(b), [float(s) for s in scales]))
+    return reference.lora_add(x, outs, a, b, scales)
 
 
 def qkv_proj(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, norm_w=None, norm_eps: float = 0.0,

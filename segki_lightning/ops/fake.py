@@ -90,8 +90,8 @@ def _silu_mul(gate, up):
 
 
 @torch.library.register_fake("segki::lora_add")
-def _lora_add(x, outs, a, b, scales, residual=None, silu=False, norm_w=None, norm_eps=0.0, norm_unit_offset=False):
-    return [out.new_empty(out.shape) for out in outs[:1 if silu else None]]   # contiguous, whatever the row strides
+def _lora_add(x, outs, a, b, scales):
+    return [out.new_empty(out.shape) for out in outs]   # contiguous, whatever each output's row stride
 
 
 @torch.library.register_fake("segki::gdn_decode_step")
