@@ -37,6 +37,10 @@
 #           machine: one call each, LORA_CASES=4b:8x512:mb32:ckpt then LORA_CASES=9b:4x512:mb32:ckpt)
 #   mixedprof benchmarks/profile_train.py, one 0.8B micro-batch (32 rows, checkpointing) at fixed length 1024 and at
 #           10-100 % of it, packed (mixedprof/fixed/, mixedprof/mixed/): where packed mixed lengths lose per token
+#   mixedab benchmarks/grpo_gpu.py, 0.8B 128 rows x 10-100 % of 1024: packed by token budget (34816, a padded
+#           32-row micro-batch's tokens) against padded 32-row micro-batches, 8 steps of which 3 warm (fla compiles its
+#           L2 norm once per bucket of 65536 token-heads: the new shapes fall in the first steps), each autotuning
+#           printed into the runs' logs (mixed_ab/; ~6 minutes on a fresh machine)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
@@ -157,6 +161,9 @@ for stage in "${stages[@]}"; do
                  $([[ $m == mixed ]] && echo --mixed) > "$out/mixedprof_$m.log" 2>&1
                tail -3 "$out/mixedprof_$m.log"
              done ;;
+    mixedab) TRITON_PRINT_AUTOTUNING=1 python3 benchmarks/grpo_gpu.py --out "$out/mixed_ab" --runs segki --segki-steps 8 \
+               --warm 3 --cases 0.8b:16x1024:mb128:tok34816:ckpt:mixed 0.8b:16x1024:mb32:ckpt:mixed:pad \
+               > "$out/mixedab.log" 2>&1; tail -3 "$out/mixedab.log" | cut -c1-200 ;;
     grpo)    python3 benchmarks/grpo_gpu.py --out "$out/grpo_gpu" --cases 0.8b:4x256 > "$out/grpo.log" 2>&1; tail -8 "$out/grpo.log" ;;
     scale)   python3 benchmarks/grpo_gpu.py --out "$out/grpo_scale" --cases 0.8b:16x1024:mb32 4b:8x512:mb16 --off-steps 3 \
                --warm 1 > "$out/scale.log" 2>&1; tail -10 "$out/scale.log" ;;
