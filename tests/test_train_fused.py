@@ -51,27 +51,46 @@ def test_cpu_training_ops_are_the_references_with_the_switch_on(monkeypatch):
     assert torch.equal(dispatch.silu_mul(x, z), reference.silu_mul(x, z))
 
 
-def test_the_gated_norm_runs_in_slices_of_one_compile_bucket(monkeypatch):
-    """fla's gated norm compiles per ceil(rows / bucket): every call it gets has at most one bucket of rows, and
-    the slices' outputs land where the rows were (checked with the reference standing in for fla's kernel)."""
+def _fake_fla(monkeypatch, **modules):
+    """Stand-ins for fla's modules (fla's own package needs Triton): ``name=namespace`` under ``fla.modules``."""
     import sys
+    import types
+
+    for name in ("fla", "fla.modules"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, f"fla.modules.{name}", module)
+
+
+def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
+    """fla's narrow norms compile per ceil(rows / bucket): every call they get has at most one bucket of rows, and
+    the slices' outputs land where the rows were (checked with the references standing in for fla's kernels)."""
     import types
 
     calls = []
 
-    def fake(x, z, weight, bias, activation, eps):
-        calls.append(x.shape[0])
+    def gated(x, z, weight, bias, activation, eps):
+        calls.append(("gated", x.shape[0]))
         assert x.dim() == 2 and bias is None and activation == "swish"
         return reference.gated_rms_norm(x, z, weight, eps)
 
-    for name in ("fla", "fla.modules"):   # fla's own package needs Triton; a stand-in module is enough here
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.modules.fused_norm_gate", types.SimpleNamespace(rms_norm_gated=fake))
-    monkeypatch.setattr(train_fused, "GATED_BUCKET_ROWS", 64)
+    def l2(x):
+        calls.append(("l2", x.shape[0]))
+        assert x.dim() == 2
+        return reference.l2norm(x)
+
+    _fake_fla(monkeypatch, fused_norm_gate=types.SimpleNamespace(rms_norm_gated=gated),
+              l2norm=types.SimpleNamespace(l2norm=l2))
+    monkeypatch.setattr(train_fused, "BUCKET_ROWS", 64)
     x, z = torch.randn(1, 37, 4, 8), torch.randn(1, 37, 4, 8)   # 148 rows of 8
     w = torch.randn(8)
     assert torch.equal(train_fused.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
-    assert calls == [64, 64, 20]
+    q = torch.randn(1, 37, 12, requires_grad=True)[..., 4:].unflatten(-1, (1, 8))   # a strided view, as q/k are
+    got = train_fused.l2norm(q)
+    assert got.shape == q.shape and torch.equal(got, reference.l2norm(q))
+    assert calls == [("gated", 64), ("gated", 64), ("gated", 20), ("l2", 37)]
+    q = torch.randn(2, 40, 2, 8)
+    assert torch.equal(train_fused.l2norm(q), reference.l2norm(q)) and calls[4:] == [("l2", 64), ("l2", 64), ("l2", 32)]
 
 
 def test_narrow_norms_stay_on_the_reference():

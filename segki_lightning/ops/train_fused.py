@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
 
 import torch
@@ -28,10 +28,11 @@ SWITCH = "SEGKI_TRAIN_FUSED"
 DEFAULT = "1"
 # fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
 # compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
-# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm (per
-# head, width 128) runs in slices of exactly one bucket's rows or fewer, so the constant is always 1.
+# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm and the
+# Gated-DeltaNet's q/k L2 norm (per head, width 128) run in slices of one bucket's rows or fewer, so the
+# constant is always 1.
 ROW_KERNEL_MIN_WIDTH = 513
-GATED_BUCKET_ROWS = 2048 * 32
+BUCKET_ROWS = 2048 * 32
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
 log = logging.getLogger("segki_lightning")
 
@@ -100,11 +101,24 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``w * rmsnorm(x) * silu(z)`` per head: ``x, z [..., D]`` -> ``[..., D]`` (see ``reference.gated_rms_norm``)."""
     from fla.modules.fused_norm_gate import rms_norm_gated
 
-    d = x.shape[-1]
-    xs, zs = x.reshape(-1, d).split(GATED_BUCKET_ROWS), z.reshape(-1, d).split(GATED_BUCKET_ROWS)
-    # [rows, D] slices of <= GATED_BUCKET_ROWS rows -> one compiled kernel whatever the token count
-    out = [rms_norm_gated(a, b, weight, None, activation="swish", eps=eps) for a, b in zip(xs, zs)]
-    return (out[0] if len(out) == 1 else torch.cat(out)).view(x.shape)
+    return _by_bucket(lambda a, b: rms_norm_gated(a, b, weight, None, activation="swish", eps=eps), x, z)
+
+
+def l2norm(x: Tensor) -> Tensor:
+    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim in x's dtype, differentiable: fla's L2 norm, the one its
+    chunk rule runs in-kernel (``use_qk_l2norm_in_kernel``), in slices of one bucket (the same values and gradients,
+    one compile for every token count)."""
+    from fla.modules.l2norm import l2norm as fla_l2norm
+
+    return _by_bucket(fla_l2norm, x)
+
+
+def _by_bucket(fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:
+    """``fn`` over ``[rows, D]`` slices of at most ``BUCKET_ROWS`` rows of ``xs [..., D]`` (row-wise ops: one
+    compiled fla kernel whatever the token count), reassembled to ``xs[0]``'s shape."""
+    d = xs[0].shape[-1]
+    out = [fn(*rows) for rows in zip(*(x.reshape(-1, d).split(BUCKET_ROWS) for x in xs))]   # [<= BUCKET_ROWS, D]
+    return (out[0] if len(out) == 1 else torch.cat(out)).view(xs[0].shape)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:

@@ -32,8 +32,9 @@ def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqle
     if q.is_cuda and _gdn.fla_runs(needs_grad):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+        q, k = train_fused.l2norm(q), train_fused.l2norm(k)   # in-kernel, fla's norm compiles per token count
         out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+                                        use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
         return out
     if cu_seqlens is None:
         return gdn_chunked(q, k, v, g, beta)

@@ -76,6 +76,29 @@ def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
     assert max(errors.values()) <= TOL[dtype], errors
 
 
+def test_the_sliced_qk_norm_equals_fla_in_kernel_norm_bit_for_bit():
+    """The training path normalises q/k in slices of one compile bucket before fla's chunk rule: the output and
+    every gradient equal fla's own in-kernel norm at more rows (tokens x heads) than one bucket, within a few bf16
+    roundings of the normalised q/k (the two row counts may tune to different block shapes): relative 2e-3, a
+    tenth of the tolerance against the torch rule."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from segki_lightning.ops import train_fused
+
+    seed = int(torch.randint(0, 2**31 - 1, ()))
+    length = train_fused.BUCKET_ROWS // 16 + 777                       # 16 key heads: two slices of q and of k
+    inputs = gdn_inputs(1, length, 16, 16, torch.bfloat16, seed)
+    cu = torch.tensor([0, 1000, length], device="cuda")
+
+    def in_kernel(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+
+    out, grads = grads_of(lambda *t: varlen.gdn_chunk(*t, cu_seqlens=cu), inputs, seed)
+    want, want_grads = grads_of(in_kernel, inputs, seed)
+    errors = {"out": rel(out, want), **{n: rel(g, w) for n, g, w in zip("qkvgb", grads, want_grads)}}
+    assert max(errors.values()) <= 2e-3, errors
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_compiled_dqkwg_equals_the_eager_one(shape, monkeypatch):
     """segki's dq/dk/dw/dg compiled (the default on CUDA) against the same function eager, bf16 packed rows at the
