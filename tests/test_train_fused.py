@@ -51,20 +51,10 @@ def test_cpu_training_ops_are_the_references_with_the_switch_on(monkeypatch):
     assert torch.equal(dispatch.silu_mul(x, z), reference.silu_mul(x, z))
 
 
-def _fake_fla(monkeypatch, **modules):
-    """Stand-ins for fla's modules (fla's own package needs Triton): ``name=namespace`` under ``fla.modules``."""
-    import sys
-    import types
-
-    for name in ("fla", "fla.modules"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    for name, module in modules.items():
-        monkeypatch.setitem(sys.modules, f"fla.modules.{name}", module)
-
-
 def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
     """fla's narrow norms compile per ceil(rows / bucket): every call they get has at most one bucket of rows, and
     the slices' outputs land where the rows were (checked with the references standing in for fla's kernels)."""
+    import sys
     import types
 
     calls = []
@@ -79,8 +69,10 @@ def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
         assert x.dim() == 2
         return reference.l2norm(x)
 
-    _fake_fla(monkeypatch, fused_norm_gate=types.SimpleNamespace(rms_norm_gated=gated),
-              l2norm=types.SimpleNamespace(l2norm=l2))
+    for name in ("fla", "fla.modules"):   # fla's own package needs Triton; stand-in modules are enough here
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.modules.fused_norm_gate", types.SimpleNamespace(rms_norm_gated=gated))
+    monkeypatch.setitem(sys.modules, "fla.modules.l2norm", types.SimpleNamespace(l2norm=l2))
     monkeypatch.setattr(train_fused, "BUCKET_ROWS", 64)
     x, z = torch.randn(1, 37, 4, 8), torch.randn(1, 37, 4, 8)   # 148 rows of 8
     w = torch.randn(8)

@@ -107,7 +107,8 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
 def l2norm(x: Tensor) -> Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim in x's dtype, differentiable: fla's L2 norm, the one its
     chunk rule runs in-kernel (``use_qk_l2norm_in_kernel``), in slices of one bucket (the same values and gradients,
-    one compile for every token count)."""
+    one compile for every token count). Taken wherever fla runs the chunk rule, switch or not: it is the kernel fla
+    would run there anyway."""
     from fla.modules.l2norm import l2norm as fla_l2norm
 
     return _by_bucket(fla_l2norm, x)
