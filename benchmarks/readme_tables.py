@@ -47,9 +47,10 @@ TRAINING = [
      "train_fused/grpo_0.8b_128x1024.json"),
     ("0.8B, 128 x 1024, packed", "0.8b:16x1024:mb32:ckpt", "train_fused/grpo_0.8b_128x1024_fused_compiled.json"),
     ("4B, 64 x 512, packed", "4b:8x512:mb32:ckpt", None),
-    ("0.8B, 128 x 10-100 % of 1024, packed", "0.8b:16x1024:mb32:ckpt:mixed", "train_fused/grpo_0.8b_mixed_ab.json#0"),
+    ("0.8B, 128 x 10-100 % of 1024, packed, micro-batches of <= 34 816 tokens", "0.8b:16x1024:mb128:tok34816:ckpt:mixed",
+     "train_fused/grpo_0.8b_mixed_tokens_ab.json#0"),
     ("0.8B, 128 x 10-100 % of 1024, padded", "0.8b:16x1024:mb32:ckpt:mixed:pad",
-     "train_fused/grpo_0.8b_mixed_ab.json#1"),
+     "train_fused/grpo_0.8b_mixed_tokens_ab.json#1"),
     ("4B, 64 x 512, LoRA r=16, base frozen", None, "lora_gpu/grpo_lora.json#0"),
     ("9B shape, 32 x 512, LoRA r=16, base frozen", None, "lora_gpu/grpo_lora.json#1"),
 ]
