@@ -2,7 +2,10 @@
 of a Qwen3.5-shape model with random weights, segki injected as the callback injects it, timed forward-only (the
 old-log-prob / reference pass) and forward + backward (the update), then one forward + backward under the torch
 profiler: the kernels that take the time, grouped into families (GDN chunk kernels, matrix products, attention,
-norms and element-wise work, the log-prob head), with their share and the pass's MFU on real tokens.
+norms and element-wise work, the log-prob head), with their share and the pass's MFU on real tokens. ``host_s``
+is the host's time to issue each pass (no sync of its own) and ``host_syncs`` the waits for the GPU inside one
+update: where ``host_s`` nears the pass's GPU-timed ``*_s`` with no late sync, the GPU waits on the host (the
+launches, not the kernels, set the pace), and fewer launches is the lever.
 
     python benchmarks/profile_train.py --out DIR [--shape 0.8b] [--rows 32] [--tokens 1024] [--ckpt] [--mixed]
 
@@ -14,6 +17,7 @@ import argparse
 import json
 import re
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -48,6 +52,14 @@ def gpu_kernels(prof) -> dict[str, list]:
             kernels[e.key][0] += e.count
             kernels[e.key][1] += us / 1e3
     return kernels
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_syncs(prof) -> dict[str, int]:
+    """How often the host waited for the GPU in a profile (a tensor read back: ``.item()``, ``.tolist()``, ``int()``)."""
+    return {e.key: e.count for e in prof.key_averages() if e.key in SYNCS}
 
 
 def _own_us(event) -> float:
@@ -114,24 +126,28 @@ def main() -> None:
         forward().backward()
         model.zero_grad(set_to_none=True)
 
-    def timed(fn, grad: bool) -> float:
-        times = []
+    def timed(fn, grad: bool) -> tuple[float, float]:
+        """Median seconds of ``fn`` between two CUDA events, and of the host's issuing it."""
+        times, host = [], []
         for _ in range(args.repeats):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.set_grad_enabled(grad):
                 a.record()
+                t0 = time.perf_counter()
                 fn()
+                host.append(time.perf_counter() - t0)
                 b.record()
             torch.cuda.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+        return statistics.median(times), statistics.median(host)
 
     update()   # autotuning, compilation
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    fwd_s, upd_s = timed(forward, False), timed(update, True)
+    (fwd_s, fwd_host_s), (upd_s, upd_host_s) = timed(forward, False), timed(update, True)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    print(f"forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, peak {peak:.1f} GiB", flush=True)
+    print(f"forward {fwd_s:.3f} s (host {fwd_host_s:.3f}), forward+backward {upd_s:.3f} s (host {upd_host_s:.3f}), "
+          f"peak {peak:.1f} GiB", flush=True)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
         update()
@@ -146,6 +162,8 @@ def main() -> None:
     res = dict(shape=args.shape, rows=args.rows, tokens=args.tokens, ckpt=args.ckpt, mixed=args.mixed,
                packed=not args.padded, real_tokens=sum(lengths), path=training_path(),
                device=torch.cuda.get_device_name(), forward_s=round(fwd_s, 4), update_s=round(upd_s, 4),
+               host_s=dict(forward=round(fwd_host_s, 4), update=round(upd_host_s, 4)),
+               kernel_launches=sum(c for c, _ in kernels.values()), host_syncs=host_syncs(prof),
                peak_gib=round(peak, 2), model_tflop=round(flops / 1e12, 1),
                mfu=round(flops / upd_s / peak_tf, 3) if peak_tf else None, kernel_ms=round(total_ms, 1),
                families={f: round(ms, 1) for f, ms in sorted(fams.items(), key=lambda kv: -kv[1])},
@@ -156,7 +174,8 @@ def main() -> None:
     tag = f"{args.shape}_{args.rows}x{args.tokens}" + ("_ckpt" if args.ckpt else "") + ("_mixed" if args.mixed else "") \
         + ("_pad" if args.padded else "") + ("_fused" if train_fused.enabled() else "")
     (args.out / f"profile_train_{tag}.json").write_text(json.dumps(res, indent=1))
-    lines = [f"# {tag}: forward {fwd_s:.3f} s, forward+backward {upd_s:.3f} s, MFU {res['mfu']}, peak {peak:.1f} GiB, "
+    lines = [f"# {tag}: forward {fwd_s:.3f} s (host {fwd_host_s:.3f}), forward+backward {upd_s:.3f} s (host "
+             f"{upd_host_s:.3f}), {res['kernel_launches']} kernels, MFU {res['mfu']}, peak {peak:.1f} GiB, "
              f"path {res['path']}, {res['device']}", "", "| family | ms | share |", "|---|---|---|"]
     lines += [f"| {f} | {ms:.1f} | {ms / total_ms:.1%} |" for f, ms in res["families"].items()]
     lines += ["", "| kernel | calls | ms |", "|---|---|---|"]
