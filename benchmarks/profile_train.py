@@ -58,7 +58,8 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def host_syncs(prof) -> dict[str, int]:
-    """How often the host waited for the GPU in a profile (a tensor read back: ``.item()``, ``.tolist()``, ``int()``)."""
+    """How often the host waited for the GPU in a profile (a tensor read back: ``.item()``, ``.tolist()``,
+    ``int()``)."""
     return {e.key: e.count for e in prof.key_averages() if e.key in SYNCS}
 
 
