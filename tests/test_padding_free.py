@@ -79,6 +79,26 @@ def test_micro_batches_by_token_budget(packed, want):
     assert [p.tolist() for p in micro_batches(torch.arange(2), None, 1, torch.tensor([5, 5]))] == [[0], [1]]
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_token_budget_pieces_are_balanced(packed):
+    """As many pieces as filling to the budget gives, none of them short: ten rows of 3 tokens under a budget of 21
+    fill to 7 + 3 rows, balanced to 5 + 5; fresh random lengths keep the count, the budget and every row once, and
+    the largest piece is no larger than filling's."""
+    from segki_lightning.rl.update import _cuts
+
+    got = micro_batches(torch.arange(10), None, 21, torch.full((10,), 3), packed)
+    assert [len(p) for p in got] == [5, 5]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lengths = torch.randint(1, 200, (64,), generator=gen)
+    got = micro_batches(torch.arange(64), 16, 900, lengths, packed)
+    cuts = _cuts(lengths.tolist(), 16, 900, packed)
+    filled = [torch.arange(a, b) for a, b in zip(cuts, cuts[1:] + [64])]
+    cost = (lambda p: int(lengths[p].sum())) if packed else (lambda p: len(p) * int(lengths[p].max()))
+    assert len(got) == len(filled) and torch.cat(got).tolist() == list(range(64))
+    assert all(len(p) <= 16 and (cost(p) <= 900 or len(p) == 1) for p in got)
+    assert max(map(cost, got)) <= max(map(cost, filled))
+
+
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_an_rl_step_packed_equals_padded(kind):
     """One training step of the tiny policy with segki injected: packed micro-batches by a token budget give the
