@@ -203,7 +203,11 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
                logprob_diff_mean=round(med("rollout/logprob_diff_mean"), 4),
                logprob_diff_max=round(max(float(r.get("rollout/logprob_diff_max") or 0) for r in rows), 3),
                kl_sampler_trainer=round(med("rollout/kl_sampler_trainer"), 5),
+               gc_s=round(med("time/gc_s"), 3),
                first_step_s=round(float(rows[0]["time/step_s"]), 2))   # per-step curves: compare_curves.py
+    for key, name in (("time/step_s", "step_s"), ("time/update_s", "update_s"), ("time/gc_s", "gc_s"),
+                      ("train/completion_length", "completion_len")):   # every step, the warm ones too
+        out[f"{name}_by_step"] = [round(float(r[key]), 3) if r.get(key) else None for r in rows]
     check = list(run_dir.rglob("rank_consistency.json"))
     if check:
         c = json.loads(check[0].read_text())

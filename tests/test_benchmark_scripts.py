@@ -91,6 +91,7 @@ def test_grpo_summary_takes_the_median_rollout_so_one_slow_step_does_not_move_th
         assert halves[f"{n}_s"] == round(statistics.median(p[j] for p in parts), 4), n
     assert got["step_s"] == round(statistics.median(steps), 3) and got["rollout_s"] == round(statistics.median(rollouts), 3)
     assert got["slowest_step_s"] == round(max(steps), 3)
+    assert got["step_s_by_step"] == [round(x, 3) for x in steps] and got["gc_s_by_step"] == [None] * 8
     assert math.isclose(got["rollout_share"], statistics.median(rollouts) / statistics.median(steps), abs_tol=1e-3)
     reused = [(s, r if i % 2 == 0 else 0.0) for i, (s, r) in enumerate(zip(steps, rollouts))]   # num_iterations=2
     pairs = grpo.per_rollout([{"time/step_s": s, "time/rollout_s": r} for s, r in reused])

@@ -65,7 +65,7 @@ def test_segki_train_runs_three_steps(tmp_path, name):
     for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
                 "train/loss", "rollout/tokens_per_s", "rollout/time_share", "time/step_s", "time/rollout_s",
                 "time/rollout_setup_s", "time/rollout_prefill_s", "time/rollout_decode_s", "time/rollout_collect_s",
-                "train/rewards/exact_match"):
+                "time/gc_s", "time/gc_full", "train/rewards/exact_match"):
         assert key in header, key
     assert len(metrics) >= 4
 

@@ -23,6 +23,7 @@ from ..rollout.stops import StopStrings
 from .buffer import RolloutBuffer
 from .correction import importance_weights, mismatch_stats
 from .flops import FlopShape, peak_flops
+from .gc_clock import GcClock
 from .logprobs import TokenScores, completion_logprobs, packs
 from .lora import is_peft
 from .losses import Totals
@@ -88,6 +89,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._last_train_tokens = 0
         self._times: dict[str, float] = {}        # this step's parts (time/<part>_s), see _timed
         self._step_flops = 0.0                    # model FLOPs of this step's training passes (see .flops)
+        self._gc = GcClock()                      # the interpreter's collection pauses (time/gc_s), while training
         self._flop_shape: FlopShape | None = None
         self._nonfinite_skipped = 0               # steps skipped for non-finite values (on_nonfinite=skip_step)
         self._part = "rollout"                    # the step's part running now (named by an out-of-memory error)
@@ -503,6 +505,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                              "steps and wait on each other): use algo.on_nonfinite=raise under DDP/FSDP")
         self.policy.train()
         self._continue_schedule()
+        self._gc.start(freeze=self.cfg.gc_freeze)
+
+    def teardown(self, stage: str) -> None:
+        self._gc.stop()
 
     def _continue_schedule(self) -> None:
         """The next step's learning rate from the schedule as built for THIS run's ``trainer.max_steps``, at the
@@ -521,6 +527,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._gc.take()
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -529,8 +536,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         step), ``time/old_logprob_s`` and ``time/reference_s`` on the steps that run those passes -- the rollout's
         share, trained tokens (prompt + completion) per second of the rest, the model FLOPs rate of the rest
         (``time/train_tflops``; ``time/mfu`` against the GPU's dense bf16 peak where it is known, see
-        :mod:`.flops`) and the step's peak GPU memory."""
+        :mod:`.flops`), the step's peak GPU memory and its garbage-collection pauses (``time/gc_s``, with
+        ``time/gc_full`` the collections of the oldest generation; see :mod:`.gc_clock`)."""
         now = self._now()
+        gc_s, gc_full = self._gc.take()
         if self.device.type == "cuda":
             self.log("memory/peak_gib", torch.cuda.max_memory_allocated(self.device) / 2**30,
                      batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
@@ -544,6 +553,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.log("time/rollout_s", self._last_rollout_s, **kw)
         for part, seconds in self._times.items():
             self.log(f"time/{part}_s", seconds, **kw)
+        self.log("time/gc_s", gc_s, **kw)
+        self.log("time/gc_full", float(gc_full), batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
         self.log("time/train_tokens_per_s", self._last_train_tokens / train_s,
                  batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="sum")
         self.log("time/train_tflops", self._step_flops / train_s / 1e12, **kw)

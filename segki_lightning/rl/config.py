@@ -24,7 +24,9 @@ class RLConfig:
     ``master_weights``: bf16/fp16 parameters get
     fp32 master copies in the optimizer (the model keeps reading its own half-precision weights).
     ``logprob_chunk``: tokens per chunk of the output projection in the log-prob pass (None: ~1 GiB of fp32
-    logits per chunk).
+    logits per chunk). ``gc_freeze``: when training starts, every Python object alive then (model, tokenizer,
+    dataset, libraries) leaves the garbage collector's walks (:func:`gc.freeze`), so that a full collection in a
+    step walks only what training made (see :mod:`~segki_lightning.rl.gc_clock`; ``time/gc_s`` logs the pauses).
 
     Sampler/trainer correction (TRL's ``vllm_importance_sampling_*``; our sampler is the rollout engine): each
     token's loss is weighted by ``exp(trainer_old_logp - engine_logp)`` (per token, or summed per sequence),
@@ -59,6 +61,7 @@ class RLConfig:
     padding_free: bool = True
     master_weights: bool = True
     logprob_chunk: int | None = None
+    gc_freeze: bool = True
     importance_sampling_correction: bool = True
     importance_sampling_mode: str = "token_truncate"
     importance_sampling_clip_max: float = 3.0
