@@ -21,7 +21,8 @@ eager). The first ``--warm`` steps (extension load, graph capture) are left out 
 counts ``6 x parameters x trained tokens`` (prompt + completion) over the step time minus the rollout, per GPU,
 against 989 TFLOP/s (dense bf16); ``mfu`` the run's own ``time/train_tflops`` (model FLOPs on real tokens with the
 attention and Gated-DeltaNet products counted, ``segki_lightning/rl/flops.py``) against the same peak. The step's
-parts: ``update_s`` (micro-batches' forward and backward, optimizer step), ``old_logprob_s``, ``reference_s``.
+parts: ``update_s`` (micro-batches' forward and backward, optimizer step; ``optimizer_s`` the gradient norm, clipping
+and step alone), ``old_logprob_s``, ``reference_s``; ``*_by_step`` keep every step's value, the warm ones too.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from segki_lightning.rollout import RolloutStats  # noqa: E402
 SWITCHES = {"segki": "true", "off": "false"}
 PEAK_FLOPS = 989e12
 PROMPT_TOKENS = 4   # the synthetic task's "a+b="
-STEP_PARTS = ("update", "old_logprob", "reference")   # time/<part>_s of the training part
+STEP_PARTS = ("update", "optimizer", "old_logprob", "reference")   # time/<part>_s (optimizer: inside update)
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,8 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
                kl_sampler_trainer=round(med("rollout/kl_sampler_trainer"), 5),
                gc_s=round(med("time/gc_s"), 3),
                first_step_s=round(float(rows[0]["time/step_s"]), 2))   # per-step curves: compare_curves.py
-    for key, name in (("time/step_s", "step_s"), ("time/update_s", "update_s"), ("time/gc_s", "gc_s"),
+    for key, name in (("time/step_s", "step_s"), ("time/update_s", "update_s"), ("time/optimizer_s", "optimizer_s"),
+                      ("time/gc_s", "gc_s"),
                       ("train/completion_length", "completion_len")):   # every step, the warm ones too
         out[f"{name}_by_step"] = [round(float(r[key]), 3) if r.get(key) else None for r in rows]
     check = list(run_dir.rglob("rank_consistency.json"))

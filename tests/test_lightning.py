@@ -2,6 +2,7 @@
 checkpoints, resume and export."""
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -65,9 +66,12 @@ def test_segki_train_runs_three_steps(tmp_path, name):
     for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
                 "train/loss", "rollout/tokens_per_s", "rollout/time_share", "time/step_s", "time/rollout_s",
                 "time/rollout_setup_s", "time/rollout_prefill_s", "time/rollout_decode_s", "time/rollout_collect_s",
-                "time/gc_s", "time/gc_full", "train/rewards/exact_match"):
+                "time/gc_s", "time/gc_full", "time/update_s", "time/optimizer_s",
+                "train/rewards/exact_match"):
         assert key in header, key
     assert len(metrics) >= 4
+    steps = [r for r in csv.DictReader(metrics) if r["time/step_s"]]
+    assert all(0 < float(r["time/optimizer_s"]) < float(r["time/update_s"]) for r in steps)   # a part of the update
 
 
 def tiny_module(**cfg):

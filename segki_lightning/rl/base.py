@@ -334,7 +334,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """The gradient norm before clipping and the learning rate of this step (TRL's ``grad_norm``,
-        ``learning_rate``)."""
+        ``learning_rate``). From here to the end of the optimizer's step (the norm, clipping, the step itself) is
+        ``time/optimizer_s``, a part of ``time/update_s``."""
+        if "update" in self._times:
+            self._times["optimizer"] = -self._now()
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             norm = torch.linalg.vector_norm(torch.stack([whole(torch.linalg.vector_norm(g.float())) for g in grads]))
@@ -354,6 +357,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer, optimizer_closure=None) -> None:
         optimizer.step(closure=optimizer_closure)
         optimizer.zero_grad(set_to_none=True)
+        if self._times.get("optimizer", 0.0) < 0:
+            self._times["optimizer"] += self._now()
 
     def scores(self, model: nn.Module, ro: RolloutBatch, rows: Tensor, value_head: nn.Module | None = None
                ) -> TokenScores:
@@ -533,7 +538,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Wall time of the whole step (rollout, scoring, forward, backward, optimizer; the GPU's queue
         drained) and of its parts -- ``time/update_s`` (the micro-batches' forward and backward and the optimizer
-        step), ``time/old_logprob_s`` and ``time/reference_s`` on the steps that run those passes -- the rollout's
+        step; ``time/optimizer_s`` the gradient norm, clipping and step alone), ``time/old_logprob_s`` and ``time/reference_s`` on the steps that run those passes -- the rollout's
         share, trained tokens (prompt + completion) per second of the rest, the model FLOPs rate of the rest
         (``time/train_tflops``; ``time/mfu`` against the GPU's dense bf16 peak where it is known, see
         :mod:`.flops`), the step's peak GPU memory and its garbage-collection pauses (``time/gc_s``, with
