@@ -207,7 +207,8 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
                gc_s=round(med("time/gc_s"), 3),
                first_step_s=round(float(rows[0]["time/step_s"]), 2))   # per-step curves: compare_curves.py
     for key, name in (("time/step_s", "step_s"), ("time/update_s", "update_s"), ("time/optimizer_s", "optimizer_s"),
-                      ("time/gc_s", "gc_s"),
+                      ("time/gc_s", "gc_s"), ("memory/device_allocs", "device_allocs"),
+                      ("memory/alloc_retries", "alloc_retries"),
                       ("train/completion_length", "completion_len")):   # every step, the warm ones too
         out[f"{name}_by_step"] = [round(float(r[key]), 3) if r.get(key) else None for r in rows]
     check = list(run_dir.rglob("rank_consistency.json"))

@@ -37,6 +37,17 @@ from .tools import (ToolSession, check_environment, environment_reward, environm
 from .update import LossFn, accumulate, micro_batches
 
 
+_ALLOCATOR_COUNTERS = {"device_allocs": "num_device_alloc", "device_frees": "num_device_free",
+                       "alloc_retries": "num_alloc_retries"}
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    """The CUDA caching allocator's running counts of driver allocations, frees and flush-and-retry allocations
+    (the counters this PyTorch has; ``torch.cuda.memory_stats``)."""
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats[key]) for name, key in _ALLOCATOR_COUNTERS.items() if key in stats}
+
+
 @dataclass
 class Scored:
     """One scored rollout: rows prompt-major, ``n`` completions per prompt."""
@@ -90,6 +101,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._times: dict[str, float] = {}        # this step's parts (time/<part>_s), see _timed
         self._step_flops = 0.0                    # model FLOPs of this step's training passes (see .flops)
         self._gc = GcClock()                      # the interpreter's collection pauses (time/gc_s), while training
+        self._allocs_before: dict[str, int] = {}  # the CUDA allocator's counters at the step's start
         self._flop_shape: FlopShape | None = None
         self._nonfinite_skipped = 0               # steps skipped for non-finite values (on_nonfinite=skip_step)
         self._part = "rollout"                    # the step's part running now (named by an out-of-memory error)
@@ -532,6 +544,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def on_train_batch_start(self, batch, batch_idx) -> None:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._allocs_before = _allocator_counts(self.device)
         self._gc.take()
         self._step_started = time.perf_counter()
 
@@ -541,13 +554,18 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         step; ``time/optimizer_s`` the gradient norm, clipping and step alone), ``time/old_logprob_s`` and ``time/reference_s`` on the steps that run those passes -- the rollout's
         share, trained tokens (prompt + completion) per second of the rest, the model FLOPs rate of the rest
         (``time/train_tflops``; ``time/mfu`` against the GPU's dense bf16 peak where it is known, see
-        :mod:`.flops`), the step's peak GPU memory and its garbage-collection pauses (``time/gc_s``, with
+        :mod:`.flops`), the step's peak GPU memory and the caching allocator's trips to the driver
+        (``memory/device_allocs``, ``memory/device_frees``, ``memory/alloc_retries``: allocations that missed its cache
+        wait on the driver, and a retry synchronizes the device), its garbage-collection pauses (``time/gc_s``, with
         ``time/gc_full`` the collections of the oldest generation; see :mod:`.gc_clock`)."""
         now = self._now()
         gc_s, gc_full = self._gc.take()
         if self.device.type == "cuda":
             self.log("memory/peak_gib", torch.cuda.max_memory_allocated(self.device) / 2**30,
                      batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
+            for name, n in _allocator_counts(self.device).items():
+                self.log(f"memory/{name}", float(n - self._allocs_before.get(name, 0)),
+                         batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
         if "update" in self._times:
             self._times["update"] += now
         step_s = max(now - self._step_started, 1e-9)
