@@ -3,6 +3,8 @@ gradients recorded or inside a scoring pass; on CPU the ops stay the references,
 checked on a GPU (tests/gpu/test_train_fused_gpu.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -74,6 +76,7 @@ def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.modules.fused_norm_gate", types.SimpleNamespace(rms_norm_gated=gated))
     monkeypatch.setitem(sys.modules, "fla.modules.l2norm", types.SimpleNamespace(l2norm=l2))
     monkeypatch.setattr(train_fused, "BUCKET_ROWS", 64)
+    monkeypatch.setattr(train_fused, "_l2norm_kernels", lambda: None)   # an fla whose kernels take other arguments
     x, z = torch.randn(1, 37, 4, 8), torch.randn(1, 37, 4, 8)   # 148 rows of 8
     w = torch.randn(8)
     assert torch.equal(train_fused.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
@@ -83,6 +86,58 @@ def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
     assert calls == [("gated", 64), ("gated", 64), ("gated", 20), ("l2", 37)]
     q = torch.randn(2, 40, 2, 8)
     assert torch.equal(train_fused.l2norm(q), reference.l2norm(q)) and calls[4:] == [("l2", 64), ("l2", 64), ("l2", 32)]
+
+
+class _FakeKernel:
+    """Stands in for an fla Triton kernel: ``kernel[grid](**args)`` checks the launch (every argument fla 0.6's
+    kernel takes, ``NB`` held at 1, a grid covering every row at a block of 16) and runs the reference math."""
+
+    def __init__(self, names, math):
+        self.arg_names, self.math, self.launches = [*names], math, []
+
+    def __getitem__(self, grid):
+        def launch(**args):
+            assert set(args) | {"BT"} == set(self.arg_names) and args["NB"] == 1 and args["eps"] == 1e-6
+            assert grid({"BT": 16}) == (-(-args["T"] // 16),) and args["BD"] >= args["D"]
+            self.launches.append(args["T"])
+            self.math(**args)
+        return launch
+
+
+def _l2_fwd(x, y, rstd, eps, T, D, BD, NB):
+    r = torch.rsqrt(x.pow(2).sum(-1) + eps)                                           # [T]
+    y.copy_(x * r[:, None])
+    rstd.copy_(r)
+
+
+def _l2_bwd(y, rstd, dy, dx, eps, T, D, BD, NB):
+    dx.copy_(dy * rstd[:, None] - (dy * y).sum(-1, keepdim=True) * y * rstd[:, None])
+
+
+def test_the_qk_l2_norm_is_one_launch_each_way_over_every_row(monkeypatch):
+    """Where fla's kernels take fla 0.6's arguments, the q/k L2 norm is one forward and one backward launch over
+    all rows (NB held at 1: one compile for every token count), a strided q/k view made contiguous, and its value
+    and gradient those of the reference (fp64 rows, the 1 / norm in fp32 as fla keeps it; the fake kernels run the
+    reference math)."""
+    import types
+
+    fwd = _FakeKernel(train_fused._L2NORM_ARGS[0], _l2_fwd)
+    bwd = _FakeKernel(train_fused._L2NORM_ARGS[1], _l2_bwd)
+    fake_triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b),
+                                        next_power_of_2=lambda n: 1 << (n - 1).bit_length())
+    monkeypatch.setattr(train_fused, "_l2norm_kernels", lambda: (fake_triton, fwd, bwd))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    base = torch.randn(1, 37, 3 * 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    q = base[..., 12:].unflatten(-1, (2, 12))                                          # [1, 37, 2, 12] strided
+    got = train_fused.l2norm(q)
+    want = reference.l2norm(q)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)                      # 1 / norm kept in fp32, as fla
+    dy = torch.randn(got.shape, dtype=torch.float64, generator=gen)
+    g_got, = torch.autograd.grad(got, base, dy)
+    g_want, = torch.autograd.grad(want, base, dy)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-6, atol=1e-7)
+    assert fwd.launches == [74] and bwd.launches == [74]                               # 37 tokens x 2 heads, once
 
 
 def test_narrow_norms_stay_on_the_reference():

@@ -28,9 +28,9 @@ SWITCH = "SEGKI_TRAIN_FUSED"
 DEFAULT = "1"
 # fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
 # compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
-# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm and the
-# Gated-DeltaNet's q/k L2 norm (per head, width 128) run in slices of one bucket's rows or fewer, so the
-# constant is always 1.
+# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm runs in
+# slices of one bucket's rows or fewer, so the constant is always 1; Gated-DeltaNet's q/k L2 norm (per head, width
+# 128) launches fla's kernels itself with the constant held at 1 (see _L2Norm), in slices where it cannot.
 ROW_KERNEL_MIN_WIDTH = 513
 BUCKET_ROWS = 2048 * 32
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
@@ -106,12 +106,71 @@ def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def l2norm(x: Tensor) -> Tensor:
     """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim in x's dtype, differentiable: fla's L2 norm, the one its
-    chunk rule runs in-kernel (``use_qk_l2norm_in_kernel``), in slices of one bucket (the same values and gradients,
-    one compile for every token count). Taken wherever fla runs the chunk rule, switch or not: it is the kernel fla
-    would run there anyway."""
+    chunk rule runs in-kernel (``use_qk_l2norm_in_kernel``), one compile for every token count. Taken wherever fla
+    runs the chunk rule, switch or not: it is the kernel fla would run there anyway.
+
+    Its kernels run once each way over every row (:class:`_L2Norm`) where this fla's kernels take the arguments
+    that form needs, else through fla's own function in slices of one bucket (a launch, an autograd node and a
+    ``cat`` per slice: at 0.8B, ~6 slices of q and of k per layer and pass at 24k tokens)."""
+    if x.shape[-1] < ROW_KERNEL_MIN_WIDTH and _l2norm_kernels() is not None:
+        return _L2Norm.apply(x)
     from fla.modules.l2norm import l2norm as fla_l2norm
 
     return _by_bucket(fla_l2norm, x)
+
+
+_L2NORM_ARGS = ({"x", "y", "rstd", "eps", "T", "D", "BD", "NB", "BT"},
+                {"y", "rstd", "dy", "dx", "eps", "T", "D", "BD", "NB", "BT"})
+
+
+@cache
+def _l2norm_kernels() -> tuple | None:
+    """``(triton, forward kernel, backward kernel)``: fla's L2-norm row-block kernels where they take exactly the
+    arguments :class:`_L2Norm` passes (fla 0.6's), else None (the norm then runs in slices, said once)."""
+    try:
+        import triton
+        from fla.modules.l2norm import l2norm_bwd_kernel, l2norm_fwd_kernel
+    except ImportError:
+        return None
+    kernels = (l2norm_fwd_kernel, l2norm_bwd_kernel)
+    if [set(getattr(k, "arg_names", ())) for k in kernels] != list(_L2NORM_ARGS):
+        log.info("segki: this flash-linear-attention's L2-norm kernels take other arguments; the q/k norm runs "
+                 "in slices of %d rows", BUCKET_ROWS)
+        return None
+    return (triton, *kernels)
+
+
+class _L2Norm(torch.autograd.Function):
+    """fla's L2-norm kernels, one launch each way over all rows ``[..., D]`` (D <= 512). fla's own wrapper passes
+    ``NB = cdiv(rows, 65536)``, an autotune key and compile-time constant its kernels never read, so every new
+    bucket of rows compiles and tunes anew; held at 1 here, one compile and one tuning serve every token count
+    (``T`` is not specialised). Saves what fla's saves: the normalised rows and their ``1 / norm`` in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        triton, fwd, _ = _l2norm_kernels()
+        rows = x.reshape(-1, x.shape[-1]).contiguous()                                 # [T, D]
+        t, d = rows.shape
+        y = torch.empty_like(rows)                                                     # [T, D] x's dtype
+        rstd = torch.empty(t, dtype=torch.float32, device=x.device)                    # [T]
+        with torch.cuda.device(x.device):
+            fwd[lambda meta: (triton.cdiv(t, meta["BT"]),)](x=rows, y=y, rstd=rstd, eps=1e-6, T=t, D=d,
+                                                            BD=triton.next_power_of_2(d), NB=1)
+        ctx.save_for_backward(y, rstd)
+        ctx.shape = x.shape
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> Tensor:
+        triton, _, bwd = _l2norm_kernels()
+        y, rstd = ctx.saved_tensors
+        t, d = y.shape
+        dy = dy.reshape(t, d).contiguous()                                             # [T, D]
+        dx = torch.empty_like(y)
+        with torch.cuda.device(y.device):
+            bwd[lambda meta: (triton.cdiv(t, meta["BT"]),)](y=y, rstd=rstd, dy=dy, dx=dx, eps=1e-6, T=t, D=d,
+                                                            BD=triton.next_power_of_2(d), NB=1)
+        return dx.view(ctx.shape)
 
 
 def _by_bucket(fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:

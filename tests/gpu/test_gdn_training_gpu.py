@@ -77,10 +77,10 @@ def test_fused_gdn_matches_the_torch_rule(dtype, shape, lengths):
 
 
 def test_the_sliced_qk_norm_matches_fla_in_kernel_norm():
-    """The training path normalises q/k in slices of one compile bucket before fla's chunk rule: the output and
-    every gradient equal fla's own in-kernel norm at more rows (tokens x heads) than one bucket, within a few bf16
-    roundings of the normalised q/k (the two row counts may tune to different block shapes): relative 2e-3, a
-    tenth of the tolerance against the torch rule."""
+    """The training path normalises q/k before fla's chunk rule (one compile for every token count: fla's kernels
+    once over every row, or in slices of one bucket): the output and every gradient equal fla's own in-kernel norm
+    at more rows (tokens x heads) than one bucket, within a few bf16 roundings of the normalised q/k (the two row
+    counts may tune to different block shapes): relative 2e-3, a tenth of the tolerance against the torch rule."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from segki_lightning.ops import train_fused
@@ -97,6 +97,32 @@ def test_the_sliced_qk_norm_matches_fla_in_kernel_norm():
     want, want_grads = grads_of(in_kernel, inputs, seed)
     errors = {"out": rel(out, want), **{n: rel(g, w) for n, g, w in zip("qkvgb", grads, want_grads)}}
     assert max(errors.values()) <= 2e-3, errors
+
+
+def test_the_one_launch_qk_norm_matches_fla_in_slices():
+    """The q/k L2 norm runs fla's kernels once each way over every row (their unused bucket constant held at 1):
+    its output and gradient equal fla's own function in slices of one bucket, on a strided bf16 q at more than one
+    bucket of rows, within a few bf16 roundings (the two may tune to different row blocks): relative 1e-3. The freed
+    memory its outputs land in is poisoned with NaN first."""
+    from fla.modules.l2norm import l2norm as fla_l2norm
+
+    from segki_lightning.ops import train_fused
+
+    assert train_fused._l2norm_kernels() is not None, "this fla's L2-norm kernels take other arguments"
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    length = train_fused.BUCKET_ROWS // 16 + 777                       # 16 heads: two buckets of rows
+    base = torch.randn(1, length, 3 * 16 * 128, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(1, length, 16, 128, device="cuda", generator=gen).bfloat16()
+    got = {}
+    for name, fn in (("one launch", train_fused.l2norm), ("slices", lambda x: train_fused._by_bucket(fla_l2norm, x))):
+        torch.full((4 * base.numel(),), float("nan"), device="cuda")    # freed: the outputs' blocks hold NaN
+        x = base.clone().requires_grad_(True)
+        out = fn(x[..., 16 * 128:2 * 16 * 128].unflatten(-1, (16, 128)))   # the k of q|k|v: a strided view
+        out.backward(dy)
+        got[name] = (out.detach(), x.grad[..., 16 * 128:2 * 16 * 128])
+    (a, da), (b, db) = got["one launch"], got["slices"]
+    assert torch.isfinite(a).all() and torch.isfinite(da).all()
+    assert rel(a, b) <= 1e-3 and rel(da, db) <= 1e-3, (rel(a, b), rel(da, db))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
