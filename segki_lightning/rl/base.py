@@ -526,6 +526,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
 
     def teardown(self, stage: str) -> None:
         self._gc.stop()
+        super().teardown(stage)
 
     def _continue_schedule(self) -> None:
         """The next step's learning rate from the schedule as built for THIS run's ``trainer.max_steps``, at the
@@ -551,13 +552,14 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Wall time of the whole step (rollout, scoring, forward, backward, optimizer; the GPU's queue
         drained) and of its parts -- ``time/update_s`` (the micro-batches' forward and backward and the optimizer
-        step; ``time/optimizer_s`` the gradient norm, clipping and step alone), ``time/old_logprob_s`` and ``time/reference_s`` on the steps that run those passes -- the rollout's
-        share, trained tokens (prompt + completion) per second of the rest, the model FLOPs rate of the rest
-        (``time/train_tflops``; ``time/mfu`` against the GPU's dense bf16 peak where it is known, see
-        :mod:`.flops`), the step's peak GPU memory and the caching allocator's trips to the driver
-        (``memory/device_allocs``, ``memory/device_frees``, ``memory/alloc_retries``: allocations that missed its cache
-        wait on the driver, and a retry synchronizes the device), its garbage-collection pauses (``time/gc_s``, with
-        ``time/gc_full`` the collections of the oldest generation; see :mod:`.gc_clock`)."""
+        step; ``time/optimizer_s`` the gradient norm, clipping and step alone), ``time/old_logprob_s`` and
+        ``time/reference_s`` on the steps that run those passes -- the rollout's share, trained tokens (prompt +
+        completion) per second of the rest, the model FLOPs rate of the rest (``time/train_tflops``; ``time/mfu``
+        against the GPU's dense bf16 peak where it is known, see :mod:`.flops`), the step's peak GPU memory, the
+        caching allocator's trips to the driver (``memory/device_allocs``, ``memory/device_frees``,
+        ``memory/alloc_retries``: an allocation that misses its cache waits on the driver, a retry synchronizes the
+        device) and the garbage-collection pauses (``time/gc_s``; ``time/gc_full`` the collections of the oldest
+        generation, see :mod:`.gc_clock`)."""
         now = self._now()
         gc_s, gc_full = self._gc.take()
         if self.device.type == "cuda":

@@ -19,10 +19,10 @@ class RLConfig:
     ``micro_batch_size``: rows per forward/backward inside one optimizer step (None: all rows at once); the
     gradients of the micro-batches add up to the whole batch's. ``micro_batch_tokens``: a token budget per
     micro-batch as well (real tokens of packed rows; rows x the longest row when padded), so that short rows share
-    a pass; as many passes as filling each to the budget takes, balanced. ``padding_free`` (TRL's name): the rows of a training pass run packed into one sequence, each row
-    alone (``cu_seqlens``), where the policy's forward takes that (segki's injected layers), else padded.
-    ``master_weights``: bf16/fp16 parameters get
-    fp32 master copies in the optimizer (the model keeps reading its own half-precision weights).
+    a pass; as many passes as filling each to the budget takes, balanced. ``padding_free`` (TRL's name): the rows
+    of a training pass run packed into one sequence, each row alone (``cu_seqlens``), where the policy's forward
+    takes that (segki's injected layers), else padded. ``master_weights``: bf16/fp16 parameters get fp32 master
+    copies in the optimizer (the model keeps reading its own half-precision weights).
     ``logprob_chunk``: tokens per chunk of the output projection in the log-prob pass (None: ~1 GiB of fp32
     logits per chunk). ``gc_freeze``: when training starts, every Python object alive then (model, tokenizer,
     dataset, libraries) leaves the garbage collector's walks (:func:`gc.freeze`), so that a full collection in a
