@@ -40,7 +40,8 @@
 #   mixedab benchmarks/grpo_gpu.py, 0.8B 128 rows x 10-100 % of 1024: packed by token budget (34816, a padded
 #           32-row micro-batch's tokens) against padded 32-row micro-batches, 8 steps of which 3 warm (fla's first
 #           tuning), each autotuning printed into the runs' logs: none should follow the warm steps now that the q/k
-#           L2 norm runs in slices of one compile bucket (mixed_ab/; ~6 minutes on a fresh machine)
+#           L2 norm compiles once for every token count; per step the update, optimizer, collection pauses and
+#           allocator counts in each row's *_by_step (mixed_ab/; ~6 minutes on a fresh machine)
 #   grpo    benchmarks/grpo_gpu.py, segki vs off on one GPU, 0.8B 4 prompts x 8 x 256 tokens (grpo_gpu/)
 #   scale   benchmarks/grpo_gpu.py, RL sizes: 0.8B 128 rows x 1024 tokens, 4B 64 rows x 512 (grpo_scale/)
 #   reuse   benchmarks/grpo_gpu.py, num_iterations=2: clipping and the fused path's sampler/trainer mismatch (grpo_reuse/)
