@@ -10,7 +10,11 @@ samples longer than the interval means something held the interpreter lock.
 The summary cuts the samples into segments where a run of samples inside ``--split-at`` begins (one GRPO step
 each: its rollout, then its training; segment 0 is the start-up before it), and prints each segment's length
 and, for the longest one after the start-up, the stacks seen most often outside the split function against their
-count in the median segment.
+count in the median segment. ``--parts backward,step_loss,optimizer_step`` splits each segment's time outside the
+split function by the first of those functions its stack holds; ``--inside step_loss --warm 3`` lists the
+innermost frames seen inside one function over the segments after the first ``--warm`` steps:
+
+    python benchmarks/stack_sampler.py --summary run.stacks.jsonl --parts backward,step_loss --inside step_loss
 """
 from __future__ import annotations
 
@@ -90,6 +94,29 @@ def summary(args) -> None:
         print(f"{n:5d} {c_usual.get(stack, 0):5d}  {stack}")
 
 
+def parts(args, segs: list[list[dict]]) -> None:
+    """Each segment's seconds outside the split function by the first of ``--parts`` in a sample's stack (the
+    sampling interval's worth a sample), then the innermost frames inside ``--inside`` after ``--warm`` steps."""
+    names = args.parts.split(",") if args.parts else []
+    every = args.every
+    print(f"\nseconds outside {args.split_at} per segment, by the first of {names} in the stack:")
+    inner = collections.Counter()
+    for i, seg in enumerate(segs):
+        got = collections.Counter()
+        for s in seg:
+            funcs = {f.split(":")[1] for f in s["stack"] if f.count(":") >= 2}
+            if args.split_at in funcs:
+                continue
+            got[next((n for n in names if n in funcs), "other")] += every
+            if args.inside and args.inside in funcs and i > args.warm:
+                inner[s["stack"][0].rsplit(":", 1)[0]] += 1
+        print(f"segment {i}: " + ", ".join(f"{n} {got[n]:.2f}" for n in [*names, "other"]))
+    if args.inside:
+        print(f"\ninnermost frames inside {args.inside}, segments after {args.warm} (samples):")
+        for frame, n in inner.most_common(args.top):
+            print(f"{n:5d}  {frame}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="where to write the samples (JSON lines)")
@@ -100,9 +127,14 @@ def main() -> None:
     ap.add_argument("--split-at", default="rollout_and_score")
     ap.add_argument("--show", type=int, default=8, help="innermost frames per stack in the summary")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--parts", help="comma-separated function names: each segment's time by the first one held")
+    ap.add_argument("--inside", help="a function: the innermost frames of the samples inside it")
+    ap.add_argument("--warm", type=int, default=0, help="segments (after the start-up) --inside leaves out")
     args, rest = ap.parse_known_args()
     if args.summary:
         summary(args)
+        if args.parts or args.inside:
+            parts(args, segments([json.loads(line) for line in open(args.summary)], args.split_at))
     elif args.module and args.out:
         run(args, rest)
     else:

@@ -154,6 +154,33 @@ def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
     assert int(top[0]) >= 20 and top[1] == "0" and "slow_first_use" in top[2]
 
 
+def test_stack_sampler_splits_each_step_by_part(tmp_path):
+    """Steps of a rollout, a loss (0.1 s, in a helper) and a backward (0.2 s): each segment's time outside the
+    rollout splits by the first named function its stack holds, and the frames inside the loss after the warm
+    step name the helper."""
+    (tmp_path / "parts_mod.py").write_text(
+        "import time\n"
+        "def rollout_and_score():\n    time.sleep(0.05)\n"
+        "def helper():\n    time.sleep(0.1)\n"
+        "def step_loss():\n    helper()\n"
+        "def backward():\n    time.sleep(0.2)\n"
+        "for i in range(3):\n    rollout_and_score()\n    step_loss()\n    backward()\n")
+    out = tmp_path / "stacks.jsonl"
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    sampler = [sys.executable, str(ROOT / "benchmarks" / "stack_sampler.py")]
+    subprocess.run([*sampler, "--out", str(out), "-m", "parts_mod"], check=True, env=env)
+    text = subprocess.run([*sampler, "--summary", str(out), "--parts", "backward,step_loss", "--inside", "step_loss",
+                           "--warm", "1"], check=True, capture_output=True, text=True, env=env).stdout
+    rows = [line for line in text.splitlines() if line.startswith("segment ") and "backward " in line]
+    assert len(rows) == 4                                              # the start-up, then three steps
+    for row in rows[1:]:
+        words = row.split(": ")[1].replace(",", "").split()                 # name seconds name seconds ...
+        got = dict(zip(words[::2], map(float, words[1::2])))
+        assert 0.15 <= got["backward"] <= 0.25 and 0.06 <= got["step_loss"] <= 0.14, row
+    inside = text.split("innermost frames inside step_loss")[1].splitlines()[1].split()
+    assert "parts_mod.py:helper" == inside[1] and int(inside[0]) >= 5
+
+
 def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     """Two product launches of two blocks on SMs 3 and 5 with a recurrence block between them on SM 3: each
     phase's mean (the SM clock at 2 cycles per ns, each SM's counter at its own offset), the sums inside first ->
