@@ -7,6 +7,7 @@ import math
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,24 +131,31 @@ def test_sass_order_reads_the_issue_order_and_registers_of_each_gemv_kernel():
     assert sass_order.registers(res) == {"mma plain NB=2 pipe=1": 128, "small gated rows<=1": 56}
 
 
+def sample_stacks(tmp_path, source: str, *args: str) -> Callable[..., str]:
+    """Run module ``source`` under the stack sampler (with ``args``); returns the summary of its samples for the
+    given summary arguments."""
+    (tmp_path / "steps_mod.py").write_text(source)
+    out = tmp_path / "stacks.jsonl"
+    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    sampler = [sys.executable, str(ROOT / "benchmarks" / "stack_sampler.py")]
+    subprocess.run([*sampler, "--out", str(out), "-m", "steps_mod", *args], check=True, env=env)
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) > 30 and all(s["stack"] for s in samples)
+    return lambda *summary: subprocess.run([*sampler, "--summary", str(out), *summary], check=True,
+                                           capture_output=True, text=True, env=env).stdout
+
+
 def test_stack_sampler_finds_the_function_that_holds_the_slow_step(tmp_path):
     """A module whose third "step" sleeps in its own function: the sampler's summary names it for the longest
     segment, and not for the median one."""
-    (tmp_path / "steps_mod.py").write_text(
+    summary = sample_stacks(
+        tmp_path,
         "import sys, time\n"
         "def rollout_and_score():\n    time.sleep(0.1)\n"
         "def slow_first_use():\n    time.sleep(0.6)\n"
         "def train(i):\n    time.sleep(0.1)\n    if i == 2:\n        slow_first_use()\n"
         "assert sys.argv[1:] == ['--steps', '4']\n"
-        "for i in range(4):\n    rollout_and_score()\n    train(i)\n")
-    out = tmp_path / "stacks.jsonl"
-    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    sampler = [sys.executable, str(ROOT / "benchmarks" / "stack_sampler.py")]
-    subprocess.run([*sampler, "--out", str(out), "-m", "steps_mod", "--steps", "4"], check=True, env=env)
-    samples = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(samples) > 30 and all(s["stack"] for s in samples)
-    summary = subprocess.run([*sampler, "--summary", str(out), "--show", "2"], check=True, capture_output=True,
-                             text=True, env=env).stdout
+        "for i in range(4):\n    rollout_and_score()\n    train(i)\n", "--steps", "4")("--show", "2")
     assert summary.count("segment ") >= 5
     assert "longest segment 3 " in summary
     top = summary.split("samples outside rollout_and_score\n")[1].splitlines()[0].split()
@@ -158,19 +166,15 @@ def test_stack_sampler_splits_each_step_by_part(tmp_path):
     """Steps of a rollout, a loss (0.1 s, in a helper) and a backward (0.2 s): each segment's time outside the
     rollout splits by the first named function its stack holds, and the frames inside the loss after the warm
     step name the helper."""
-    (tmp_path / "parts_mod.py").write_text(
+    text = sample_stacks(
+        tmp_path,
         "import time\n"
         "def rollout_and_score():\n    time.sleep(0.05)\n"
         "def helper():\n    time.sleep(0.1)\n"
         "def step_loss():\n    helper()\n"
         "def backward():\n    time.sleep(0.2)\n"
-        "for i in range(3):\n    rollout_and_score()\n    step_loss()\n    backward()\n")
-    out = tmp_path / "stacks.jsonl"
-    env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}
-    sampler = [sys.executable, str(ROOT / "benchmarks" / "stack_sampler.py")]
-    subprocess.run([*sampler, "--out", str(out), "-m", "parts_mod"], check=True, env=env)
-    text = subprocess.run([*sampler, "--summary", str(out), "--parts", "backward,step_loss", "--inside", "step_loss",
-                           "--warm", "1"], check=True, capture_output=True, text=True, env=env).stdout
+        "for i in range(3):\n    rollout_and_score()\n    step_loss()\n    backward()\n",
+    )("--parts", "backward,step_loss", "--inside", "step_loss", "--warm", "1")
     rows = [line for line in text.splitlines() if line.startswith("segment ") and "backward " in line]
     assert len(rows) == 4                                              # the start-up, then three steps
     for row in rows[1:]:
@@ -178,7 +182,7 @@ def test_stack_sampler_splits_each_step_by_part(tmp_path):
         got = dict(zip(words[::2], map(float, words[1::2])))
         assert 0.15 <= got["backward"] <= 0.25 and 0.06 <= got["step_loss"] <= 0.14, row
     inside = text.split("innermost frames inside step_loss")[1].splitlines()[1].split()
-    assert "parts_mod.py:helper" == inside[1] and int(inside[0]) >= 5
+    assert "steps_mod.py:helper" == inside[1] and int(inside[0]) >= 5
 
 
 def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
