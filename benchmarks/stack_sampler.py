@@ -72,9 +72,7 @@ def segments(samples: list[dict], split_at: str) -> list[list[dict]]:
     return out
 
 
-def summary(args) -> None:
-    samples = [json.loads(line) for line in open(args.summary)]
-    segs = segments(samples, args.split_at)
+def summary(args, segs: list[list[dict]]) -> None:
     spans = [seg[-1]["t"] - seg[0]["t"] if seg else 0.0 for seg in segs]
     for i, (seg, span) in enumerate(zip(segs, spans)):
         gap = max((b["t"] - a["t"] for a, b in zip(seg, seg[1:])), default=0.0)
@@ -98,7 +96,6 @@ def parts(args, segs: list[list[dict]]) -> None:
     """Each segment's seconds outside the split function by the first of ``--parts`` in a sample's stack (the
     sampling interval's worth a sample), then the innermost frames inside ``--inside`` after ``--warm`` steps."""
     names = args.parts.split(",") if args.parts else []
-    every = args.every
     print(f"\nseconds outside {args.split_at} per segment, by the first of {names} in the stack:")
     inner = collections.Counter()
     for i, seg in enumerate(segs):
@@ -107,7 +104,7 @@ def parts(args, segs: list[list[dict]]) -> None:
             funcs = {f.split(":")[1] for f in s["stack"] if f.count(":") >= 2}
             if args.split_at in funcs:
                 continue
-            got[next((n for n in names if n in funcs), "other")] += every
+            got[next((n for n in names if n in funcs), "other")] += args.every
             if args.inside and args.inside in funcs and i > args.warm:
                 inner[s["stack"][0].rsplit(":", 1)[0]] += 1
         print(f"segment {i}: " + ", ".join(f"{n} {got[n]:.2f}" for n in [*names, "other"]))
@@ -132,9 +129,10 @@ def main() -> None:
     ap.add_argument("--warm", type=int, default=0, help="segments (after the start-up) --inside leaves out")
     args, rest = ap.parse_known_args()
     if args.summary:
-        summary(args)
+        segs = segments([json.loads(line) for line in open(args.summary)], args.split_at)
+        summary(args, segs)
         if args.parts or args.inside:
-            parts(args, segments([json.loads(line) for line in open(args.summary)], args.split_at))
+            parts(args, segs)
     elif args.module and args.out:
         run(args, rest)
     else:
