@@ -77,6 +77,7 @@ def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.modules.l2norm", types.SimpleNamespace(l2norm=l2))
     monkeypatch.setattr(train_fused, "BUCKET_ROWS", 64)
     monkeypatch.setattr(train_fused, "_l2norm_kernels", lambda: None)   # an fla whose kernels take other arguments
+    monkeypatch.setattr(train_fused, "_gated_norm_kernels", lambda: None)
     x, z = torch.randn(1, 37, 4, 8), torch.randn(1, 37, 4, 8)   # 148 rows of 8
     w = torch.randn(8)
     assert torch.equal(train_fused.gated_rms_norm(x, z, w, 1e-6), reference.gated_rms_norm(x, z, w, 1e-6))
@@ -90,17 +91,21 @@ def test_the_row_wise_norms_run_in_slices_of_one_compile_bucket(monkeypatch):
 
 class _FakeKernel:
     """Stands in for an fla Triton kernel: ``kernel[grid](**args)`` checks the launch (every argument fla 0.6's
-    kernel takes, ``NB`` held at 1, a grid covering every row at a block of 16) and runs the reference math."""
+    kernel takes but those its autotuner and heuristics fill in, ``NB`` held at 1, a grid covering every row: at a
+    block of 16 rows, or programs of ``BS`` rows each) and runs the reference math on the arguments it reads."""
 
-    def __init__(self, names, math):
-        self.arg_names, self.math, self.launches = [*names], math, []
+    def __init__(self, names, math, filled=("BT",)):
+        self.arg_names, self.math, self.filled, self.launches = [*names], math, {*filled}, []
 
     def __getitem__(self, grid):
         def launch(**args):
-            assert set(args) | {"BT"} == set(self.arg_names) and args["NB"] == 1 and args["eps"] == 1e-6
-            assert grid({"BT": 16}) == (-(-args["T"] // 16),) and args["BD"] >= args["D"]
-            self.launches.append(args["T"])
-            self.math(**args)
+            assert set(args) | self.filled == set(self.arg_names) and not set(args) & self.filled
+            assert args["NB"] == 1 and args.get("eps", 1e-6) == 1e-6 and args["BD"] >= args["D"]
+            t = args["T"]
+            assert grid({"BT": 16}) == (-(-t // 16),) if callable(grid) else grid[0] * args["BS"] >= t > (
+                grid[0] - 1) * args["BS"]
+            self.launches.append(t)
+            self.math(**{k: v for k, v in args.items() if k in self.math.__code__.co_varnames})
         return launch
 
 
@@ -138,6 +143,55 @@ def test_the_qk_l2_norm_is_one_launch_each_way_over_every_row(monkeypatch):
     g_want, = torch.autograd.grad(want, base, dy)
     torch.testing.assert_close(g_got, g_want, rtol=1e-6, atol=1e-7)
     assert fwd.launches == [74] and bwd.launches == [74]                               # 37 tokens x 2 heads, once
+
+
+def _gated_fwd(x, g, y, w, rstd, eps, ACTIVATION, IS_RMS_NORM):
+    assert ACTIVATION == "swish" and IS_RMS_NORM
+    r = torch.rsqrt(x.float().pow(2).mean(-1) + eps)                                  # [T] fp32, as fla keeps it
+    y.copy_(x * r[:, None] * w * torch.nn.functional.silu(g))
+    rstd.copy_(r)
+
+
+def _gated_bwd(x, g, w, dy, dx, dg, dw, rstd, T, BS):
+    xhat = x * rstd[:, None]                                                           # [T, D]
+    dg.copy_(dy * xhat * w * torch.sigmoid(g) * (1 + g * (1 - torch.sigmoid(g))))
+    dyg = dy * torch.nn.functional.silu(g)
+    dwx = dyg * w
+    dx.copy_((dwx - xhat * (xhat * dwx).mean(-1, keepdim=True)) * rstd[:, None])
+    for i in range(dw.shape[0]):                                                       # each program's rows
+        dw[i] = (dyg * xhat)[i * BS:(i + 1) * BS].sum(0)
+
+
+def test_the_gated_output_norm_is_one_launch_each_way_over_every_row(monkeypatch):
+    """Where fla's kernels take fla 0.6's arguments, the Gated-DeltaNet output norm is one forward and one backward
+    launch over all rows (NB held at 1), the backward as one program per SM at most (its dw partial sums added);
+    its value and gradients (x, z, weight) those of the reference (fp64 rows; the fake kernels run fla's math)."""
+    import types
+
+    fwd = _FakeKernel(train_fused._GATED_NORM_ARGS[0], _gated_fwd,
+                      ("BT", "STORE_RESIDUAL_OUT", "HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"))
+    bwd = _FakeKernel(train_fused._GATED_NORM_ARGS[1], _gated_bwd,
+                      ("BT", "HAS_DRESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "RECOMPUTE_OUTPUT"))
+    fake_triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b),
+                                        next_power_of_2=lambda n: 1 << (n - 1).bit_length())
+    monkeypatch.setattr(train_fused, "_gated_norm_kernels", lambda: (fake_triton, fwd, bwd))
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(multi_processor_count=7))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    base = torch.randn(1, 37, 2 * 3 * 12, dtype=torch.float64, generator=gen, requires_grad=True)
+    x = base[..., :36].unflatten(-1, (3, 12))                                         # [1, 37, 3, 12] strided
+    z = base[..., 36:].unflatten(-1, (3, 12))
+    w = torch.randn(12, dtype=torch.float64, generator=gen, requires_grad=True)
+    got = train_fused.gated_rms_norm(x, z, w, 1e-6)
+    want = reference.gated_rms_norm(x, z, w, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)                      # 1 / rms kept in fp32, as fla
+    dy = torch.randn(got.shape, dtype=torch.float64, generator=gen)
+    g_got = torch.autograd.grad(got, (base, w), dy)
+    g_want = torch.autograd.grad(want, (base, w), dy)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert fwd.launches == [111] and bwd.launches == [111]                            # 37 tokens x 3 heads, once
 
 
 def test_narrow_norms_stay_on_the_reference():

@@ -28,9 +28,9 @@ SWITCH = "SEGKI_TRAIN_FUSED"
 DEFAULT = "1"
 # fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
 # compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
-# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; the gated norm runs in
-# slices of one bucket's rows or fewer, so the constant is always 1; Gated-DeltaNet's q/k L2 norm (per head, width
-# 128) launches fla's kernels itself with the constant held at 1 (see _L2Norm), in slices where it cannot.
+# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; Gated-DeltaNet's output norm
+# and q/k L2 norm (per head, width 128) launch fla's kernels here with the constant held at 1 (_GatedNorm, _L2Norm),
+# or where this fla's kernels take other arguments, run fla's own functions in slices of one bucket's rows or fewer.
 ROW_KERNEL_MIN_WIDTH = 513
 BUCKET_ROWS = 2048 * 32
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
@@ -98,7 +98,12 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_o
 
 
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``w * rmsnorm(x) * silu(z)`` per head: ``x, z [..., D]`` -> ``[..., D]`` (see ``reference.gated_rms_norm``)."""
+    """``w * rmsnorm(x) * silu(z)`` per head: ``x, z [..., D]`` -> ``[..., D]`` (see ``reference.gated_rms_norm``).
+
+    fla's kernels, once each way over every row (:class:`_GatedNorm`) where this fla's kernels take the arguments
+    that form needs, else fla's own function in slices of one bucket."""
+    if x.shape[-1] < ROW_KERNEL_MIN_WIDTH and _gated_norm_kernels() is not None:
+        return _GatedNorm.apply(x, z, weight, eps)
     from fla.modules.fused_norm_gate import rms_norm_gated
 
     return _by_bucket(lambda a, b: rms_norm_gated(a, b, weight, None, activation="swish", eps=eps), x, z)
@@ -119,25 +124,46 @@ def l2norm(x: Tensor) -> Tensor:
     return _by_bucket(fla_l2norm, x)
 
 
+# The arguments of fla 0.6's row-block norm kernels (forward, backward), those its heuristics and autotuner fill in
+# included: the one-launch forms below pass the rest by name, and are taken only where a kernel's names are these.
 _L2NORM_ARGS = ({"x", "y", "rstd", "eps", "T", "D", "BD", "NB", "BT"},
                 {"y", "rstd", "dy", "dx", "eps", "T", "D", "BD", "NB", "BT"})
+_GATED_NORM_ARGS = ({"x", "g", "y", "w", "b", "residual", "residual_out", "mean", "rstd", "eps", "T", "D", "BT", "BD",
+                     "NB", "ACTIVATION", "IS_RMS_NORM", "STORE_RESIDUAL_OUT", "HAS_RESIDUAL", "HAS_WEIGHT", "HAS_BIAS"},
+                    {"x", "g", "w", "b", "y", "dy", "dx", "dg", "dw", "db", "dresidual", "dresidual_in", "mean",
+                     "rstd", "T", "BS", "D", "BT", "BD", "NB", "ACTIVATION", "IS_RMS_NORM", "STORE_DRESIDUAL",
+                     "HAS_DRESIDUAL", "HAS_WEIGHT", "HAS_BIAS", "RECOMPUTE_OUTPUT"})
+
+
+def _fla_kernels(module: str, names: tuple[str, str], args: tuple[set, set], what: str) -> tuple | None:
+    """``(triton, forward kernel, backward kernel)`` from fla's ``module`` where both take exactly ``args``
+    (fla 0.6's), else None: the norm then runs in slices, said once."""
+    try:
+        import importlib
+
+        import triton
+        kernels = tuple(getattr(importlib.import_module(module), name) for name in names)
+    except (ImportError, AttributeError):
+        return None
+    if [set(getattr(k, "arg_names", ())) for k in kernels] != list(args):
+        log.info("segki: this flash-linear-attention's %s kernels take other arguments; it runs in slices of %d "
+                 "rows", what, BUCKET_ROWS)
+        return None
+    return (triton, *kernels)
 
 
 @cache
 def _l2norm_kernels() -> tuple | None:
-    """``(triton, forward kernel, backward kernel)``: fla's L2-norm row-block kernels where they take exactly the
-    arguments :class:`_L2Norm` passes (fla 0.6's), else None (the norm then runs in slices, said once)."""
-    try:
-        import triton
-        from fla.modules.l2norm import l2norm_bwd_kernel, l2norm_fwd_kernel
-    except ImportError:
-        return None
-    kernels = (l2norm_fwd_kernel, l2norm_bwd_kernel)
-    if [set(getattr(k, "arg_names", ())) for k in kernels] != list(_L2NORM_ARGS):
-        log.info("segki: this flash-linear-attention's L2-norm kernels take other arguments; the q/k norm runs "
-                 "in slices of %d rows", BUCKET_ROWS)
-        return None
-    return (triton, *kernels)
+    """fla's L2-norm row-block kernels, as :class:`_L2Norm` launches them (see :func:`_fla_kernels`)."""
+    return _fla_kernels("fla.modules.l2norm", ("l2norm_fwd_kernel", "l2norm_bwd_kernel"), _L2NORM_ARGS,
+                        "q/k L2-norm")
+
+
+@cache
+def _gated_norm_kernels() -> tuple | None:
+    """fla's gated-norm row-block kernels, as :class:`_GatedNorm` launches them (see :func:`_fla_kernels`)."""
+    return _fla_kernels("fla.modules.fused_norm_gate", ("layer_norm_gated_fwd_kernel", "layer_norm_gated_bwd_kernel"),
+                        _GATED_NORM_ARGS, "gated output norm")
 
 
 class _L2Norm(torch.autograd.Function):
@@ -171,6 +197,44 @@ class _L2Norm(torch.autograd.Function):
             bwd[lambda meta: (triton.cdiv(t, meta["BT"]),)](y=y, rstd=rstd, dy=dy, dx=dx, eps=1e-6, T=t, D=d,
                                                             BD=triton.next_power_of_2(d), NB=1)
         return dx.view(ctx.shape)
+
+
+class _GatedNorm(torch.autograd.Function):
+    """fla's gated RMSNorm kernels (``w * rmsnorm(x) * silu(z)``), one launch each way over all rows ``[..., D]``
+    (D <= 512), ``NB`` held at 1 as in :class:`_L2Norm`. Saves what fla's saves (x, z and ``1 / rms`` in fp32);
+    the backward launches one program per SM, each summing its rows' ``dw`` in fp32, and adds the partial sums."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+        triton, fwd, _ = _gated_norm_kernels()
+        d = x.shape[-1]
+        rows, gate = x.reshape(-1, d).contiguous(), z.reshape(-1, d).contiguous()      # [T, D] each
+        t = rows.shape[0]
+        y = torch.empty_like(rows)                                                     # [T, D] x's dtype
+        rstd = torch.empty(t, dtype=torch.float32, device=x.device)                    # [T]
+        with torch.cuda.device(x.device):
+            fwd[lambda meta: (triton.cdiv(t, meta["BT"]),)](
+                x=rows, g=gate, y=y, w=weight, b=None, residual=None, residual_out=None, mean=None, rstd=rstd,
+                eps=eps, T=t, D=d, BD=triton.next_power_of_2(d), NB=1, ACTIVATION="swish", IS_RMS_NORM=True)
+        ctx.save_for_backward(rows, gate, weight, rstd)
+        ctx.shapes, ctx.eps = (x.shape, z.shape), eps
+        return y.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
+        triton, _, bwd = _gated_norm_kernels()
+        rows, gate, weight, rstd = ctx.saved_tensors
+        t, d = rows.shape
+        dy = dy.reshape(t, d).contiguous()                                             # [T, D]
+        dx, dz = torch.empty_like(rows), torch.empty_like(gate)
+        programs = max(1, min(torch.cuda.get_device_properties(rows.device).multi_processor_count, t))
+        dw = torch.empty(programs, d, dtype=torch.float32, device=rows.device)         # [programs, D] partial sums
+        with torch.cuda.device(rows.device):
+            bwd[(programs,)](x=rows, g=gate, w=weight, b=None, y=None, dy=dy, dx=dx, dg=dz, dw=dw, db=None,
+                             dresidual=None, dresidual_in=None, mean=None, rstd=rstd, T=t, BS=-(-t // programs), D=d,
+                             BD=triton.next_power_of_2(d), NB=1, ACTIVATION="swish", IS_RMS_NORM=True,
+                             STORE_DRESIDUAL=False)
+        return dx.view(ctx.shapes[0]), dz.view(ctx.shapes[1]), dw.sum(0).to(weight.dtype), None
 
 
 def _by_bucket(fn: Callable[..., Tensor], *xs: Tensor) -> Tensor:

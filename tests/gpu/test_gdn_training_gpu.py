@@ -99,30 +99,43 @@ def test_the_sliced_qk_norm_matches_fla_in_kernel_norm():
     assert max(errors.values()) <= 2e-3, errors
 
 
-def test_the_one_launch_qk_norm_matches_fla_in_slices():
-    """The q/k L2 norm runs fla's kernels once each way over every row (their unused bucket constant held at 1):
-    its output and gradient equal fla's own function in slices of one bucket, on a strided bf16 q at more than one
-    bucket of rows, within a few bf16 roundings (the two may tune to different row blocks): relative 1e-3. The freed
-    memory its outputs land in is poisoned with NaN first."""
+@pytest.mark.parametrize("norm", ["qk_l2", "gated_output"])
+def test_the_one_launch_norms_match_fla_in_slices(norm):
+    """The q/k L2 norm and the gated output norm run fla's kernels once each way over every row (their unused bucket
+    constant held at 1): output and gradients equal fla's own functions in slices of one bucket, on strided bf16
+    inputs at more than one bucket of rows, within a few bf16 roundings (the two may tune to different row blocks):
+    relative 1e-3. The freed memory the outputs land in is poisoned with NaN first."""
+    from fla.modules.fused_norm_gate import rms_norm_gated
     from fla.modules.l2norm import l2norm as fla_l2norm
 
     from segki_lightning.ops import train_fused
 
-    assert train_fused._l2norm_kernels() is not None, "this fla's L2-norm kernels take other arguments"
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     length = train_fused.BUCKET_ROWS // 16 + 777                       # 16 heads: two buckets of rows
     base = torch.randn(1, length, 3 * 16 * 128, device="cuda", generator=gen).bfloat16()
     dy = torch.randn(1, length, 16, 128, device="cuda", generator=gen).bfloat16()
+    weight = (1 + 0.1 * torch.randn(128, device="cuda", generator=gen)).bfloat16()
+    if norm == "qk_l2":
+        assert train_fused._l2norm_kernels() is not None, "this fla's L2-norm kernels take other arguments"
+        forms = {"one launch": lambda x, z, w: train_fused.l2norm(x),
+                 "slices": lambda x, z, w: train_fused._by_bucket(fla_l2norm, x)}
+    else:
+        assert train_fused._gated_norm_kernels() is not None, "this fla's gated-norm kernels take other arguments"
+        forms = {"one launch": lambda x, z, w: train_fused.gated_rms_norm(x, z, w, 1e-6),
+                 "slices": lambda x, z, w: train_fused._by_bucket(
+                     lambda a, b: rms_norm_gated(a, b, w, None, activation="swish", eps=1e-6), x, z)}
     got = {}
-    for name, fn in (("one launch", train_fused.l2norm), ("slices", lambda x: train_fused._by_bucket(fla_l2norm, x))):
+    for name, fn in forms.items():
         torch.full((4 * base.numel(),), float("nan"), device="cuda")    # freed: the outputs' blocks hold NaN
-        x = base.clone().requires_grad_(True)
-        out = fn(x[..., 16 * 128:2 * 16 * 128].unflatten(-1, (16, 128)))   # the k of q|k|v: a strided view
+        x, w = base.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        heads = lambda i: x[..., i * 16 * 128:(i + 1) * 16 * 128].unflatten(-1, (16, 128))   # noqa: E731 q|k|v
+        out = fn(heads(1), heads(2), w)                                 # strided views, as k and the gate are
         out.backward(dy)
-        got[name] = (out.detach(), x.grad[..., 16 * 128:2 * 16 * 128])
-    (a, da), (b, db) = got["one launch"], got["slices"]
-    assert torch.isfinite(a).all() and torch.isfinite(da).all()
-    assert rel(a, b) <= 1e-3 and rel(da, db) <= 1e-3, (rel(a, b), rel(da, db))
+        got[name] = (out.detach(), x.grad[..., 16 * 128:], w.grad)
+    (a, *da), (b, *db) = got["one launch"], got["slices"]
+    errors = [rel(a, b)] + [rel(g, h) for g, h in zip(da, db) if g is not None]
+    assert torch.isfinite(a).all() and all(torch.isfinite(g).all() for g in da if g is not None)
+    assert max(errors) <= 1e-3, errors
 
 
 @pytest.mark.parametrize("shape", SHAPES)
