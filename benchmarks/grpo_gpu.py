@@ -21,8 +21,9 @@ eager). The first ``--warm`` steps (extension load, graph capture) are left out 
 counts ``6 x parameters x trained tokens`` (prompt + completion) over the step time minus the rollout, per GPU,
 against 989 TFLOP/s (dense bf16); ``mfu`` the run's own ``time/train_tflops`` (model FLOPs on real tokens with the
 attention and Gated-DeltaNet products counted, ``segki_lightning/rl/flops.py``) against the same peak. The step's
-parts: ``update_s`` (micro-batches' forward and backward, optimizer step; ``optimizer_s`` the gradient norm, clipping
-and step alone), ``old_logprob_s``, ``reference_s``; ``*_by_step`` keep every step's value, the warm ones too.
+parts: ``update_s`` (micro-batches' forward and backward, optimizer step), in parts: ``forward_s`` (the forwards and
+losses), ``optimizer_s`` (the gradient norm, clipping and step), ``backward_s`` (the rest); ``old_logprob_s``,
+``reference_s``; ``*_by_step`` keep every step's value, the warm ones too.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ from segki_lightning.rollout import RolloutStats  # noqa: E402
 SWITCHES = {"segki": "true", "off": "false"}
 PEAK_FLOPS = 989e12
 PROMPT_TOKENS = 4   # the synthetic task's "a+b="
-STEP_PARTS = ("update", "optimizer", "old_logprob", "reference")   # time/<part>_s (optimizer: inside update)
+STEP_PARTS = ("update", "forward", "backward", "optimizer", "old_logprob", "reference")   # time/<part>_s (the
+# update's forward, backward and optimizer parts add up to it)
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,8 @@ def summarize(run_dir: Path, warm: int, params: int, devices: int) -> dict:
                kl_sampler_trainer=round(med("rollout/kl_sampler_trainer"), 5),
                gc_s=round(med("time/gc_s"), 3),
                first_step_s=round(float(rows[0]["time/step_s"]), 2))   # per-step curves: compare_curves.py
-    for key, name in (("time/step_s", "step_s"), ("time/update_s", "update_s"), ("time/optimizer_s", "optimizer_s"),
+    for key, name in (("time/step_s", "step_s"), ("time/update_s", "update_s"), ("time/forward_s", "forward_s"),
+                      ("time/backward_s", "backward_s"), ("time/optimizer_s", "optimizer_s"),
                       ("time/gc_s", "gc_s"), ("memory/device_allocs", "device_allocs"),
                       ("memory/alloc_retries", "alloc_retries"),
                       ("train/completion_length", "completion_len")):   # every step, the warm ones too
@@ -270,8 +273,8 @@ def main() -> None:
               "tokens/s (summed over ranks); mfu_train is the training part's per GPU (6 x parameters x trained "
               "tokens / (step - rollout time) / GPUs / 989 TFLOP/s), mfu the run's time/train_tflops (model FLOPs on "
               "real tokens, attention and Gated-DeltaNet products counted) / 989 TFLOP/s; update_s, old_logprob_s and "
-              "reference_s are the step's training passes; peak GiB is the largest per-step peak of allocated GPU "
-              "memory.")
+              "reference_s are the step's training passes (forward_s, backward_s and optimizer_s add up to "
+              "update_s); peak GiB is the largest per-step peak of allocated GPU memory.")
     cols = ["run", "rows_per_rank", "tokens", "micro_batch", "steps", "peak_gib", "step_s", "slowest_step_s",
             "rollout_s", *(f"{part}_s" for part in RolloutStats.PARTS), "train_s",
             *(f"{part}_s" for part in STEP_PARTS), "rollout_share", "rollout_tok_s", "train_tok_s", "mfu_train", "mfu",

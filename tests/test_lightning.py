@@ -66,12 +66,14 @@ def test_segki_train_runs_three_steps(tmp_path, name):
     for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
                 "train/loss", "rollout/tokens_per_s", "rollout/time_share", "time/step_s", "time/rollout_s",
                 "time/rollout_setup_s", "time/rollout_prefill_s", "time/rollout_decode_s", "time/rollout_collect_s",
-                "time/gc_s", "time/gc_full", "time/update_s", "time/optimizer_s",
+                "time/gc_s", "time/gc_full", "time/update_s", "time/optimizer_s", "time/forward_s", "time/backward_s",
                 "train/rewards/exact_match"):
         assert key in header, key
     assert len(metrics) >= 4
     steps = [r for r in csv.DictReader(metrics) if r["time/step_s"]]
-    assert all(0 < float(r["time/optimizer_s"]) < float(r["time/update_s"]) for r in steps)   # a part of the update
+    for r in steps:   # parts of the update that add up to it
+        parts = [float(r[f"time/{p}_s"]) for p in ("forward", "backward", "optimizer")]
+        assert all(v > 0 for v in parts) and sum(parts) == pytest.approx(float(r["time/update_s"]), rel=1e-6), r
 
 
 def tiny_module(**cfg):

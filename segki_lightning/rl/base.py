@@ -161,8 +161,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self._count_flops(ro, rows)
 
         def loss_fn(r: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            start = self._now()   # the previous micro-batch's backward drained (its scores() would wait anyway)
             loss, stats = self.step_loss(buf, r, totals)
-            check("the loss", loss)   # before its backward: no non-finite gradient is accumulated
+            check("the loss", loss)   # before its backward: no non-finite gradient is accumulated; one sync
+            self._times["forward"] = self._times.get("forward", 0.0) + time.perf_counter() - start
             return loss, stats
 
         loss, total, stats = self.accumulate(ro, rows, loss_fn)
@@ -552,7 +554,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """Wall time of the whole step (rollout, scoring, forward, backward, optimizer; the GPU's queue
         drained) and of its parts -- ``time/update_s`` (the micro-batches' forward and backward and the optimizer
-        step; ``time/optimizer_s`` the gradient norm, clipping and step alone), ``time/old_logprob_s`` and
+        step: ``time/forward_s`` the forwards with their losses, ``time/optimizer_s`` the gradient norm, clipping
+        and step, ``time/backward_s`` the rest), ``time/old_logprob_s`` and
         ``time/reference_s`` on the steps that run those passes -- the rollout's share, trained tokens (prompt +
         completion) per second of the rest, the model FLOPs rate of the rest (``time/train_tflops``; ``time/mfu``
         against the GPU's dense bf16 peak where it is known, see :mod:`.flops`), the step's peak GPU memory, the
@@ -570,6 +573,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
                          batch_size=len(batch["prompt"]), sync_dist=True, reduce_fx="max")
         if "update" in self._times:
             self._times["update"] += now
+            t = self._times   # what the forwards and the optimizer leave: the backward passes, Lightning between
+            t["backward"] = max(t["update"] - t.get("forward", 0.0) - t.get("optimizer", 0.0), 0.0)
         step_s = max(now - self._step_started, 1e-9)
         train_s = max(step_s - self._last_rollout_s, 1e-9)
         kw = dict(batch_size=len(batch["prompt"]), sync_dist=True)
