@@ -175,6 +175,7 @@ def test_the_gated_output_norm_is_one_launch_each_way_over_every_row(monkeypatch
     fake_triton = types.SimpleNamespace(cdiv=lambda a, b: -(-a // b),
                                         next_power_of_2=lambda n: 1 << (n - 1).bit_length())
     monkeypatch.setattr(train_fused, "_gated_norm_kernels", lambda: (fake_triton, fwd, bwd))
+    monkeypatch.setattr(train_fused, "GATED_ONE_LAUNCH", True)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(multi_processor_count=7))

@@ -28,11 +28,12 @@ SWITCH = "SEGKI_TRAIN_FUSED"
 DEFAULT = "1"
 # fla's norm kernels for widths <= 512 take ceil(rows / bucket) as a compile-time constant: a new token count
 # compiles (and autotunes) anew, which at mixed completion lengths is most micro-batches (~160 s in a first
-# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; Gated-DeltaNet's output norm
-# and q/k L2 norm (per head, width 128) launch fla's kernels here with the constant held at 1 (_GatedNorm, _L2Norm),
-# or where this fla's kernels take other arguments, run fla's own functions in slices of one bucket's rows or fewer.
+# step, measured). RMSNorm there (Qwen3.5's per-head q/k norms) stays on the reference; Gated-DeltaNet's q/k L2 norm
+# (per head, width 128) launches fla's kernels here with the constant held at 1 (_L2Norm), as its output norm can
+# (_GatedNorm, under GATED_ONE_LAUNCH); otherwise fla's own functions run in slices of one bucket's rows or fewer.
 ROW_KERNEL_MIN_WIDTH = 513
 BUCKET_ROWS = 2048 * 32
+GATED_ONE_LAUNCH = False   # _GatedNorm by default once its GPU test (the weight gradient against fp32) has passed
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
 log = logging.getLogger("segki_lightning")
 
@@ -100,9 +101,9 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, unit_o
 def gated_rms_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     """``w * rmsnorm(x) * silu(z)`` per head: ``x, z [..., D]`` -> ``[..., D]`` (see ``reference.gated_rms_norm``).
 
-    fla's kernels, once each way over every row (:class:`_GatedNorm`) where this fla's kernels take the arguments
-    that form needs, else fla's own function in slices of one bucket."""
-    if x.shape[-1] < ROW_KERNEL_MIN_WIDTH and _gated_norm_kernels() is not None:
+    fla's kernels, once each way over every row (:class:`_GatedNorm`, under ``GATED_ONE_LAUNCH``) where this fla's
+    kernels take the arguments that form needs, else fla's own function in slices of one bucket."""
+    if GATED_ONE_LAUNCH and x.shape[-1] < ROW_KERNEL_MIN_WIDTH and _gated_norm_kernels() is not None:
         return _GatedNorm.apply(x, z, weight, eps)
     from fla.modules.fused_norm_gate import rms_norm_gated
 

@@ -102,13 +102,17 @@ def test_the_sliced_qk_norm_matches_fla_in_kernel_norm():
 @pytest.mark.parametrize("norm", ["qk_l2", "gated_output"])
 def test_the_one_launch_norms_match_fla_in_slices(norm):
     """The q/k L2 norm and the gated output norm run fla's kernels once each way over every row (their unused bucket
-    constant held at 1): output and gradients equal fla's own functions in slices of one bucket, on strided bf16
-    inputs at more than one bucket of rows, within a few bf16 roundings (the two may tune to different row blocks):
-    relative 1e-3. The freed memory the outputs land in is poisoned with NaN first."""
+    constant held at 1): output and input gradients equal fla's own functions in slices of one bucket, on strided
+    bf16 inputs at more than one bucket of rows, within a few bf16 roundings (the two may tune to different row
+    blocks): relative 1e-3. The gated norm's weight gradient, a sum over every row, is rounded to bf16 once here,
+    and in fla's slices once per slice and again as the slices' sums are added (the two ~2.5e-3 apart, simulated):
+    it is held to the fp32 reference instead, one rounding (4e-3), and no further from it than the slices' (+1e-3).
+    The freed memory the outputs land in is poisoned with NaN first."""
     from fla.modules.fused_norm_gate import rms_norm_gated
     from fla.modules.l2norm import l2norm as fla_l2norm
 
     from segki_lightning.ops import train_fused
+    from segki_lightning.ops.reference import gated_rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     length = train_fused.BUCKET_ROWS // 16 + 777                       # 16 heads: two buckets of rows
@@ -121,7 +125,7 @@ def test_the_one_launch_norms_match_fla_in_slices(norm):
                  "slices": lambda x, z, w: train_fused._by_bucket(fla_l2norm, x)}
     else:
         assert train_fused._gated_norm_kernels() is not None, "this fla's gated-norm kernels take other arguments"
-        forms = {"one launch": lambda x, z, w: train_fused.gated_rms_norm(x, z, w, 1e-6),
+        forms = {"one launch": lambda x, z, w: train_fused._GatedNorm.apply(x, z, w, 1e-6),
                  "slices": lambda x, z, w: train_fused._by_bucket(
                      lambda a, b: rms_norm_gated(a, b, w, None, activation="swish", eps=1e-6), x, z)}
     got = {}
@@ -132,10 +136,15 @@ def test_the_one_launch_norms_match_fla_in_slices(norm):
         out = fn(heads(1), heads(2), w)                                 # strided views, as k and the gate are
         out.backward(dy)
         got[name] = (out.detach(), x.grad[..., 16 * 128:], w.grad)
-    (a, *da), (b, *db) = got["one launch"], got["slices"]
-    errors = [rel(a, b)] + [rel(g, h) for g, h in zip(da, db) if g is not None]
-    assert torch.isfinite(a).all() and all(torch.isfinite(g).all() for g in da if g is not None)
-    assert max(errors) <= 1e-3, errors
+    (a, da, wa), (b, db, wb) = got["one launch"], got["slices"]
+    assert torch.isfinite(a).all() and torch.isfinite(da).all()
+    assert rel(a, b) <= 1e-3 and rel(da, db) <= 1e-3, (rel(a, b), rel(da, db))
+    if norm == "gated_output":
+        x, w = base.float().requires_grad_(True), weight.float().requires_grad_(True)
+        gated_rms_norm(x[..., 16 * 128:2 * 16 * 128].unflatten(-1, (16, 128)),
+                       x[..., 2 * 16 * 128:].unflatten(-1, (16, 128)), w, 1e-6).backward(dy.float())
+        assert rel(wa, w.grad) <= 4e-3 and rel(wa, w.grad) <= rel(wb, w.grad) + 1e-3, (rel(wa, w.grad),
+                                                                                      rel(wb, w.grad))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
