@@ -113,7 +113,8 @@ def run_recipe(ckpt: Path, run_dir: Path, case: Case, mode: str, devices: int, a
     on = SWITCHES[mode]
     here = str(Path(__file__).resolve().parent)   # so that overrides may name bench_rewards' functions
     stacks = run_dir.parent / f"{run_dir.name}.stacks.jsonl"
-    python = [sys.executable, f"{here}/stack_sampler.py", "--out", str(stacks)] if args.stacks else [sys.executable]
+    python = ([sys.executable, f"{here}/stack_sampler.py", "--out", str(stacks), "--all-threads"] if args.stacks
+              else [sys.executable])
     cmd = [*python, "-m", "segki_lightning.train", "--config-name", "grpo", "model=pretrained",
            f"model.pretrained={ckpt}", "trainer=gpu", f"trainer.devices={devices}",
            f"trainer.strategy={args.strategy if devices > 1 or args.strategy == 'fsdp' else 'auto'}", f"trainer.max_steps={args.steps[mode]}",
@@ -231,8 +232,9 @@ def main() -> None:
     ap.add_argument("--segki-steps", type=int, default=10)
     ap.add_argument("--off-steps", type=int, default=4)
     ap.add_argument("--warm", type=int, default=2)
-    ap.add_argument("--stacks", action="store_true", help="sample each run's main-thread stack (stack_sampler.py) "
-                    "into runs/<run>.stacks.jsonl; one GPU per run")
+    ap.add_argument("--stacks", action="store_true", help="sample each run's thread stacks (stack_sampler.py "
+                    "--all-threads: the main thread's, and the autograd engine's during a backward) into "
+                    "runs/<run>.stacks.jsonl; one GPU per run")
     ap.add_argument("--overrides", nargs="*", default=[], help="extra Hydra overrides for every run, e.g. "
                     "algo.num_iterations=2")
     args = ap.parse_args()

@@ -1,4 +1,4 @@
-"""A sampling profiler of a Python process's main thread, for stalls that no recompile or autotuning log explains.
+"""A sampling profiler of a Python process's threads, for stalls that no recompile or autotuning log explains.
 
 Run a module under it: every ``--every`` seconds the main thread's stack is written as one JSON line (the time
 and the innermost frames first). A wait on the GPU shows as the call that synchronizes; a gap between two
@@ -15,6 +15,10 @@ split function by the first of those functions its stack holds; ``--inside step_
 innermost frames seen inside one function over the segments after the first ``--warm`` steps:
 
     python benchmarks/stack_sampler.py --summary run.stacks.jsonl --parts backward,step_loss --inside step_loss
+
+A backward's host work runs on the autograd engine's own thread while the main thread waits in ``backward``:
+record with ``--all-threads`` (every thread's stack while it runs Python code) and ``--others`` summarizes those
+stacks, e.g. the recomputed checkpointed forwards against the custom functions' backwards.
 """
 from __future__ import annotations
 
@@ -37,18 +41,24 @@ def frames(frame, depth: int) -> list[str]:
     return out
 
 
-def sample(path: str, every: float, depth: int, main_id: int, stop: threading.Event) -> None:
-    t0 = time.perf_counter()
+def sample(path: str, every: float, depth: int, main_id: int, stop: threading.Event, others: bool = False) -> None:
+    """Every ``every`` seconds one line: the main thread's stack, and with ``others`` the stacks of the other
+    threads running Python code then (the autograd engine's thread runs a backward's Python: recomputed checkpointed
+    forwards, custom functions' backwards), innermost frames first."""
+    t0, me = time.perf_counter(), threading.get_ident()
     with open(path, "w") as f:
         while not stop.wait(every):
-            frame = sys._current_frames().get(main_id)
-            f.write(json.dumps({"t": round(time.perf_counter() - t0, 4), "stack": frames(frame, depth)}) + "\n")
+            now = sys._current_frames()
+            line = {"t": round(time.perf_counter() - t0, 4), "stack": frames(now.get(main_id), depth)}
+            if others:
+                line["others"] = [frames(fr, depth) for tid, fr in now.items() if tid not in (main_id, me)]
+            f.write(json.dumps(line) + "\n")
 
 
 def run(args, rest: list[str]) -> None:
     stop = threading.Event()
-    thread = threading.Thread(target=sample, args=(args.out, args.every, args.depth, threading.get_ident(), stop),
-                              daemon=True)
+    thread = threading.Thread(target=sample, args=(args.out, args.every, args.depth, threading.get_ident(), stop,
+                                                   args.all_threads), daemon=True)
     thread.start()
     sys.argv = [args.module, *rest]
     try:
@@ -114,6 +124,22 @@ def parts(args, segs: list[list[dict]]) -> None:
             print(f"{n:5d}  {frame}")
 
 
+def other_threads(args, segs: list[list[dict]]) -> None:
+    """The other threads' stacks (recorded with ``--all-threads``) over the segments after ``--warm``: how many
+    samples found one in Python code, and the innermost ``--show`` frames seen most often."""
+    seen, stacks = 0, collections.Counter()
+    for seg in segs[args.warm + 1:]:
+        for s in seg:
+            for other in s.get("others", []):
+                if other:
+                    seen += 1
+                    stacks[" <- ".join(other[:args.show])] += 1
+    print(f"\nother threads in Python code, segments after {args.warm}: {seen} stacks in "
+          f"{sum(len(seg) for seg in segs[args.warm + 1:])} samples")
+    for stack, n in stacks.most_common(args.top):
+        print(f"{n:5d}  {stack}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="where to write the samples (JSON lines)")
@@ -126,13 +152,19 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--parts", help="comma-separated function names: each segment's time by the first one held")
     ap.add_argument("--inside", help="a function: the innermost frames of the samples inside it")
-    ap.add_argument("--warm", type=int, default=0, help="segments (after the start-up) --inside leaves out")
+    ap.add_argument("--warm", type=int, default=0,
+                    help="segments (after the start-up) --inside and --others leave out")
+    ap.add_argument("--all-threads", action="store_true",
+                    help="also record the other threads' stacks (the autograd engine's, a backward's Python)")
+    ap.add_argument("--others", action="store_true", help="summarize the other threads' recorded stacks")
     args, rest = ap.parse_known_args()
     if args.summary:
         segs = segments([json.loads(line) for line in open(args.summary)], args.split_at)
         summary(args, segs)
         if args.parts or args.inside:
             parts(args, segs)
+        if args.others:
+            other_threads(args, segs)
     elif args.module and args.out:
         run(args, rest)
     else:

@@ -185,6 +185,26 @@ def test_stack_sampler_splits_each_step_by_part(tmp_path):
     assert "steps_mod.py:helper" == inside[1] and int(inside[0]) >= 5
 
 
+def test_stack_sampler_sees_the_thread_a_backward_runs_on(tmp_path):
+    """A step whose main thread waits in ``backward`` while a worker thread runs Python (as the autograd engine's
+    thread runs a checkpointed forward's recompute): recorded with ``--all-threads``, ``--others`` names the
+    worker's function, and the main thread's samples never hold it."""
+    text = sample_stacks(
+        tmp_path,
+        "import threading, time\n"
+        "def rollout_and_score():\n    time.sleep(0.05)\n"
+        "def recompute(until):\n    while time.perf_counter() < until:\n        pass\n"
+        "def backward():\n"
+        "    t = threading.Thread(target=recompute, args=(time.perf_counter() + 0.3,))\n    t.start()\n    t.join()\n"
+        "for i in range(4):\n    rollout_and_score()\n    backward()\n",
+        "--all-threads",
+    )("--others", "--warm", "1", "--show", "1")
+    rows = text.split("other threads in Python code")[1].splitlines()
+    assert "steps_mod.py:recompute" in rows[1] and int(rows[1].split()[0]) >= 5, rows
+    main = [json.loads(line)["stack"] for line in (tmp_path / "stacks.jsonl").read_text().splitlines()]
+    assert not any(":recompute:" in frame for stack in main for frame in stack)
+
+
 def test_step_timeline_reads_phases_gaps_and_dry_time_per_sm():
     """Two product launches of two blocks on SMs 3 and 5 with a recurrence block between them on SM 3: each
     phase's mean (the SM clock at 2 cycles per ns, each SM's counter at its own offset), the sums inside first ->
