@@ -53,8 +53,8 @@ from segki_lightning.rollout import RolloutStats  # noqa: E402
 SWITCHES = {"segki": "true", "off": "false"}
 PEAK_FLOPS = 989e12
 PROMPT_TOKENS = 4   # the synthetic task's "a+b="
-STEP_PARTS = ("update", "forward", "backward", "optimizer", "old_logprob", "reference")   # time/<part>_s (the
-# update's forward, backward and optimizer parts add up to it)
+# time/<part>_s of the training part; the update's forward, backward and optimizer parts add up to it
+STEP_PARTS = ("update", "forward", "backward", "optimizer", "old_logprob", "reference")
 
 
 @dataclass(frozen=True)

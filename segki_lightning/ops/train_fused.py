@@ -14,6 +14,7 @@ minutes of a first step at the 0.8B-4B shapes, measured), logged when the kernel
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -140,8 +141,6 @@ def _fla_kernels(module: str, names: tuple[str, str], args: tuple[set, set], wha
     """``(triton, forward kernel, backward kernel)`` from fla's ``module`` where both take exactly ``args``
     (fla 0.6's), else None: the norm then runs in slices, said once."""
     try:
-        import importlib
-
         import triton
         kernels = tuple(getattr(importlib.import_module(module), name) for name in names)
     except (ImportError, AttributeError):
