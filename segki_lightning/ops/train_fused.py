@@ -34,7 +34,7 @@ DEFAULT = "1"
 # (_GatedNorm, under GATED_ONE_LAUNCH); otherwise fla's own functions run in slices of one bucket's rows or fewer.
 ROW_KERNEL_MIN_WIDTH = 513
 BUCKET_ROWS = 2048 * 32
-GATED_ONE_LAUNCH = False   # _GatedNorm by default once its GPU test (the weight gradient against fp32) has passed
+GATED_ONE_LAUNCH = True   # False: the gated norm in fla's slices again (its GPU test passed at 121d185, one H100)
 _SCORING = [0]   # depth of scoring() scopes (one training loop per process)
 log = logging.getLogger("segki_lightning")
 
