@@ -1,4 +1,5 @@
-"""FSDP2 (Lightning's ModelParallelStrategy, ``trainer.strategy=fsdp``) on 2 CPU processes over gloo: the same
+"""FSDP2 (Lightning's ModelParallelStrategy, ``trainer.strategy=fsdp``) on 2 CPU processes over gloo, started
+together as torchrun starts them (``launch.py``): the same
 weights as DDP after 3 steps (both runs' ranks identical, metrics logged once a step), an exact resume from the sharded checkpoint, and -- in one process -- the gathered
 rollout weights: equal to the shards' full tensors, swapped in with FSDP's hooks set aside, refilled in place (the
 pointers a captured graph holds stay valid), everything restored afterwards."""
@@ -6,24 +7,19 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from .launch import train_ranks
 
 RUN = ["trainer.max_steps=3", "trainer.devices=2", "trainer.enable_progress_bar=false", "task.prompts_per_step=2",
        "algo.num_generations=2", "rewards.0.fn.pattern='.*[a-m].*'"]   # a reward random completions often earn
 
 
 def recipe(folder, *extra, name="grpo"):
-    folder.mkdir(parents=True, exist_ok=True)
-    out = subprocess.run([sys.executable, "-m", "segki_lightning.train", "--config-name", name, *RUN,
-                          f"hydra.run.dir={folder}", *extra], capture_output=True, text=True, cwd=folder,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return folder
+    return train_ranks(folder, "--config-name", name, *RUN, *extra)
 
 
 def exported(folder) -> dict[str, torch.Tensor]:
@@ -38,7 +34,7 @@ SHARED = ["algo.learning_rate=3e-4", "algo.lr_scheduler_type=constant", "checkpo
 @pytest.fixture(scope="module")
 def fsdp_grpo(tmp_path_factory):
     """The 3-step FSDP GRPO run that the DDP comparison and the resume test both read (each 2-process run costs
-    ~10 s)."""
+    ~9 s)."""
     folder = tmp_path_factory.mktemp("fsdp_grpo")
     return recipe(folder, "trainer.strategy=fsdp", *SHARED, f"export_dir={folder / 'export'}")
 
@@ -84,7 +80,7 @@ def test_fsdp_resumes_exactly_from_its_sharded_checkpoint(tmp_path, fsdp_grpo):
 
 
 def test_fsdp_bf16_with_validation_checkpointing_micro_batches_reuse_a_reference_and_freed_weights(tmp_path):
-    """The rest of the recipe under FSDP, in one run (each 2-process run costs ~10 s): a bf16 policy with
+    """The rest of the recipe under FSDP, in one run (each 2-process run costs ~9 s): a bf16 policy with
     bf16-true -- the run switches to 32-true (and says so), the shards train in fp32 while the layers and the
     rollout compute in bf16, the export is bf16 (FSDP's mixed precision, on CPU too) --, validation rollouts,
     activation checkpointing of the injected layers, micro-batches, a reused rollout, the KL reference (sharded like

@@ -56,11 +56,17 @@ def test_a_typo_fails_with_the_key_name(tmp_path):
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_segki_train_runs_three_steps(tmp_path, name):
+    """The recipe from the command line: the metrics a TRL user looks for, the update's parts adding up, one segment
+    report and one rollout-path line a run, a progress bar in steps (not Lightning's epochs of -1 steps)."""
     out = subprocess.run([sys.executable, "-m", "segki_lightning.train", "--config-name", name,
-                          "trainer.max_steps=3", "trainer.enable_progress_bar=false", "task.prompts_per_step=2",
+                          "trainer.max_steps=3", "task.prompts_per_step=2",
                           "algo.num_generations=2", f"hydra.run.dir={tmp_path}"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    assert text.count("injected segments") == 1 and text.count("rollout path") == 1
+    assert "step: 100%" in text and "Epoch 0/-2" not in text
+    assert "falling back to its reference PyTorch implementation" not in text   # CPU: does not apply
     metrics = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
     for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
