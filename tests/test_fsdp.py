@@ -1,6 +1,6 @@
 """FSDP2 (Lightning's ModelParallelStrategy, ``trainer.strategy=fsdp``) on 2 CPU processes over gloo, started
-together as torchrun starts them (``launch.py``): the same
-weights as DDP after 3 steps (both runs' ranks identical, metrics logged once a step), an exact resume from the sharded checkpoint, and -- in one process -- the gathered
+together as torchrun starts them (``launch.py``): the same weights as DDP after 3 steps (both runs' ranks identical,
+metrics logged once a step), an exact resume from the sharded checkpoint, and -- in one process -- the gathered
 rollout weights: equal to the shards' full tensors, swapped in with FSDP's hooks set aside, refilled in place (the
 pointers a captured graph holds stay valid), everything restored afterwards."""
 from __future__ import annotations
