@@ -105,10 +105,10 @@ def kernel_switches() -> str:
 
 
 def write_results(out: Path, name: str, rows: list[dict], columns: list[str], header: str) -> None:
-    """``out/name.json`` (all fields) and ``out/name.md`` (the listed columns); the header gains a line with
-    the run's kernel switches when any is set."""
+    """``out/name.json`` (all fields, one row a line: results stay small in the repository) and ``out/name.md``
+    (the listed columns); the header gains a line with the run's kernel switches when any is set."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    (out / f"{name}.json").write_text("[\n" + ",\n".join(json.dumps(r) for r in rows) + "\n]\n")
     switches = kernel_switches()
     if switches:
         header += f"\n\nKernel switches in the environment: `{switches}`"
