@@ -52,7 +52,7 @@
 #           transformers' compiles per model)
 #   canon_train  benchmarks/grpo_gpu.py, segki, each case of readme_tables.CANONICAL_CASES, or those CANON_CASES
 #           names (space-separated: the four take ~10 minutes on a fresh machine, more than one call's limit)
-#           ($out/train/<case>/grpo_gpu.json; build runs first when the stages do not name it)
+#           ($out/train/<case>/grpo_gpu.json)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
 #   ddp4b   benchmarks/grpo_gpu.py, 4B shape on 2 GPUs under DDP, 10 steps, a dense reward and a KL term
 #           (beta 0.04: the loss then follows the policy's drift from its start; grpo_ddp4b/)
@@ -66,8 +66,6 @@ set -uo pipefail
 out=$2; shift 2
 stages=("$@"); [[ ${#stages[@]} -gt 0 ]] || stages=(build tests kernels decode profile)
 [[ " ${stages[*]} " == *" canonical "* ]] && stages=(build canon_decode canon_train)
-# canon_train's first step would otherwise time the extension's JIT build (~2 minutes on a fresh machine)
-[[ " ${stages[*]} " == *" canon_train "* && " ${stages[*]} " != *" build "* ]] && stages=(build "${stages[@]}")
 mkdir -p "$out"
 # TRITON_CACHE_AUTOTUNING: a later process on the same machine reuses flash-linear-attention's prefill autotuning
 # (~60 s per model on a fresh machine) instead of repeating it; decode steps run no Triton kernel
