@@ -1,10 +1,11 @@
 """The README's performance tables, generated from the result files under ``benchmarks/results/`` (never copied by
 hand): the decode table from the canonical command's output (``benchmarks/results/current/decode.json``, see
 ``benchmarks/run_gpu.sh canonical``), the training table's rows from the files :data:`TRAINING` names unless the
-canonical output holds that case.
+canonical output holds that case (``current/train.json``, one row a case).
 
     python benchmarks/readme_tables.py            # rewrite the README's generated blocks
     python benchmarks/readme_tables.py --check    # exit 1 if the README differs from the files (a CPU test runs it)
+    python benchmarks/readme_tables.py --collect DIR   # DIR/train/<case>/grpo_gpu.json rows into DIR/train.json
 
 A block in the README sits between ``<!-- table:NAME -->`` and ``<!-- end table:NAME -->``.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CURRENT = "current"   # the canonical command's folder
+TRAIN_ROWS = "train.json"   # in it: the canonical GRPO cases, one row each (``case``: the case's colons as _)
 
 # decode tok/s cells: column -> (model, batch, mode); rows -> (label, system name in decode.py's output, the columns
 # it fills or None for all), each cell read from the canonical run's decode.json (min-max over its rows)
@@ -38,8 +40,8 @@ DECODE = [
 _GREEDY_ONLY = {"HF static cache + compile", "HF eager generate"}
 
 # GRPO at RL sizes: (label, grpo_gpu.py case, committed result file or None: ``FILE.json`` for its first row,
-# ``FILE.json#N`` for row N); the canonical command's current/train/<case>/grpo_gpu.json wins where it exists, and a
-# row with neither is left out
+# ``FILE.json#N`` for row N); the canonical command's row of that case (current/train.json) wins where it exists, and
+# a row with neither is left out
 TRAINING = [
     ("0.8B, 128 x 1024, torch GDN rule", None, "train_scale/grpo_0.8b_128rows_1024.json"),
     ("4B, 64 x 512, torch GDN rule", None, "train_scale/grpo_4b_64rows_512.json"),
@@ -133,17 +135,30 @@ def _device(r: dict, path: Path) -> str:
     return m.group(1)
 
 
+def _case_name(case: str) -> str:
+    """A grpo_gpu.py case as its rows and folders name it (``0.8b:16x1024:mb32`` -> ``0.8b_16x1024_mb32``)."""
+    return case.replace(":", "_")
+
+
+def _canonical_rows() -> dict[str, dict]:
+    """The canonical command's GRPO rows by case name (empty where it has not run)."""
+    path = RESULTS / CURRENT / TRAIN_ROWS
+    return {r["case"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+
+
 def training_table() -> str:
     lines = ["| GRPO step (G = 8, micro-batches of 32 rows, checkpointing) | step s | rollout s | training part s | "
              "MFU of the training part | peak GiB |", "|---|---|---|---|---|---|"]
-    used = []
+    used, canonical = [], _canonical_rows()
     for label, case, rel in TRAINING:
-        current = RESULTS / CURRENT / "train" / case.replace(":", "_") / "grpo_gpu.json" if case else None
         name, _, index = (rel or "").partition("#")
-        path = current if current is not None and current.exists() else RESULTS / name if rel else None
-        if path is None:
+        if case and _case_name(case) in canonical:
+            path, r = RESULTS / CURRENT / TRAIN_ROWS, canonical[_case_name(case)]
+        elif rel:
+            path = RESULTS / name
+            r = json.loads(path.read_text())[int(index or 0)]
+        else:
             continue
-        r = json.loads(path.read_text())[int(index or 0) if path != current else 0]
         used.append(str(path.relative_to(RESULTS)))
         mfu = r.get("mfu", r.get("mfu_train"))
         lines.append(f"| {label} ({_device(r, path)}) | {_num(r['step_s'])} | {_num(r['rollout_s'])} | "
@@ -167,10 +182,29 @@ def render(readme: str) -> str:
     return re.sub(r"<!-- table:(\w+) -->\n(?:.*?\n)?<!-- end table:\1 -->", block, readme, flags=re.S)
 
 
+def collect(out: Path) -> Path:
+    """Merge the GRPO rows of a canonical run (``out/train/<case>/grpo_gpu.json``, grpo_gpu.py's output) into
+    ``out/train.json``: a case run again replaces its row, the other rows stay (cases may run in separate calls).
+    One row a line; the per-case folders (logs, markdown) need not be kept."""
+    path = out / TRAIN_ROWS
+    rows = {r["case"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+    for f in sorted((out / "train").glob("*/grpo_gpu.json")):
+        for r in json.loads(f.read_text()):
+            if r.get("returncode") == 0 and "step_s" in r:   # a run that finished its steps
+                rows[r["case"]] = r
+    path.write_text("[\n" + ",\n".join(json.dumps(r) for r in rows.values()) + "\n]\n")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="exit 1 if the README is not what the files say")
+    ap.add_argument("--collect", type=Path, metavar="DIR", help="merge DIR/train/<case>/grpo_gpu.json into "
+                    f"DIR/{TRAIN_ROWS} and stop")
     args = ap.parse_args()
+    if args.collect:
+        print(collect(args.collect))
+        return
     path = ROOT / "README.md"
     now = path.read_text()
     want = render(now)

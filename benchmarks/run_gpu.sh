@@ -52,7 +52,8 @@
 #           transformers' compiles per model)
 #   canon_train  benchmarks/grpo_gpu.py, segki, each case of readme_tables.CANONICAL_CASES, or those CANON_CASES
 #           names (space-separated: the four take ~10 minutes on a fresh machine, more than one call's limit)
-#           ($out/train/<case>/grpo_gpu.json)
+#           ($out/train/<case>/: grpo_gpu.py's output and log; each case's row merged into $out/train.json, which
+#           the README's table reads and the repository keeps)
 #   ddp     benchmarks/grpo_gpu.py, segki on 1 and 2 GPUs         (grpo_ddp/)
 #   ddp4b   benchmarks/grpo_gpu.py, 4B shape on 2 GPUs under DDP, 10 steps, a dense reward and a KL term
 #           (beta 0.04: the loss then follows the policy's drift from its start; grpo_ddp4b/)
@@ -197,6 +198,7 @@ for stage in "${stages[@]}"; do
                python3 benchmarks/grpo_gpu.py --out "$out/train/${case//:/_}" --cases "$case" --runs segki \
                  --segki-steps 6 --warm 2 > "$out/train/${case//:/_}.log" 2>&1
                tail -1 "$out/train/${case//:/_}.log" | cut -c1-200
+               python3 benchmarks/readme_tables.py --collect "$out" > /dev/null   # its row into $out/train.json
              done ;;
     *)       echo "unknown stage $stage"; exit 2 ;;
   esac

@@ -37,10 +37,12 @@ def test_the_canonical_folder_wins(tables, tmp_path, monkeypatch):
     assert "| segki_lightning (segki + graph) | 1 234 |" in table or "| segki_lightning (segki + graph) | 1 235 |" in table
     assert "`current/decode.json`" in table
     case = tables.CANONICAL_CASES[0]
-    out = tmp_path / "current" / "train" / case.replace(":", "_")
+    out = tmp_path / "current" / "train" / case.replace(":", "_")   # grpo_gpu.py's output, collected by case
     out.mkdir(parents=True)
-    (out / "grpo_gpu.json").write_text(json.dumps([dict(step_s=5.0, rollout_s=2.0, train_s=3.0, mfu=0.31,
-                                                         peak_gib=20.0, device="NVIDIA H200")]))
+    (out / "grpo_gpu.json").write_text(json.dumps([dict(case=case.replace(":", "_"), returncode=0, step_s=5.0,
+                                                         rollout_s=2.0, train_s=3.0, mfu=0.31, peak_gib=20.0,
+                                                         device="NVIDIA H200")]))
+    tables.collect(tmp_path / "current")
     for _, _, rel in tables.TRAINING:   # the committed files the other rows read (``FILE.json#row``)
         name = (rel or "").partition("#")[0]
         for f in (Path(name), Path(name).with_suffix(".md")) if name else ():
@@ -48,6 +50,29 @@ def test_the_canonical_folder_wins(tables, tmp_path, monkeypatch):
                 (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
                 (tmp_path / f).write_text((ROOT / "benchmarks" / "results" / f).read_text())
     assert "| 5.00 | 2.00 | 3.00 | 31.0 % | 20.0 |" in tables.training_table()
+    assert "`current/train.json`" in tables.training_table()
+
+
+def test_collect_replaces_a_case_run_again_and_keeps_the_others(tables, tmp_path):
+    """Cases may run in separate calls: each collect merges its rows by case; a failed run leaves the row it had."""
+    def run(case, step_s, rc=0):
+        out = tmp_path / "train" / case
+        out.mkdir(parents=True, exist_ok=True)
+        row = dict(case=case, returncode=rc) | (dict(step_s=step_s) if rc == 0 else {})
+        (out / "grpo_gpu.json").write_text(json.dumps([row]))
+
+    run("a", 1.0)
+    run("b", 2.0)
+    tables.collect(tmp_path)
+    run("a", 3.0)
+    run("b", None, rc=1)
+    path = tables.collect(tmp_path)
+    for case in ("a", "b"):   # only what is merged is kept: the per-case folders may go
+        (tmp_path / "train" / case / "grpo_gpu.json").unlink()
+    tables.collect(tmp_path)
+    rows = json.loads(path.read_text())
+    assert [(r["case"], r["step_s"]) for r in rows] == [("a", 3.0), ("b", 2.0)]
+    assert len(path.read_text().splitlines()) == 4   # one row a line
 
 
 def test_every_result_path_the_readme_names_exists():
