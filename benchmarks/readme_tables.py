@@ -43,8 +43,8 @@ _GREEDY_ONLY = {"HF static cache + compile", "HF eager generate"}
 # ``FILE.json#N`` for row N); the canonical command's row of that case (current/train.json) wins where it exists, and
 # a row with neither is left out
 TRAINING = [
-    ("0.8B, 128 x 1024, torch GDN rule", None, "train_scale/grpo_0.8b_128rows_1024.json"),
-    ("4B, 64 x 512, torch GDN rule", None, "train_scale/grpo_4b_64rows_512.json"),
+    ("0.8B, 128 x 1024, torch GDN rule", None, "train_scale/grpo_runs.json#2"),
+    ("4B, 64 x 512, torch GDN rule", None, "train_scale/grpo_runs.json#3"),
     ("0.8B, 128 x 1024, packed, fp32 reference norms (`SEGKI_TRAIN_FUSED=0`)", None,
      "train_fused/grpo_0.8b_128x1024_runs.json#0"),
     ("0.8B, 128 x 1024, packed", "0.8b:16x1024:mb32:ckpt", "train_fused/grpo_0.8b_128x1024_runs.json#3"),
