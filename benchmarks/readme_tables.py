@@ -140,16 +140,16 @@ def _case_name(case: str) -> str:
     return case.replace(":", "_")
 
 
-def _canonical_rows() -> dict[str, dict]:
-    """The canonical command's GRPO rows by case name (empty where it has not run)."""
-    path = RESULTS / CURRENT / TRAIN_ROWS
+def _canonical_rows(folder: Path) -> dict[str, dict]:
+    """A canonical run's GRPO rows (``folder/train.json``) by case name (empty where it has not run)."""
+    path = folder / TRAIN_ROWS
     return {r["case"]: r for r in json.loads(path.read_text())} if path.exists() else {}
 
 
 def training_table() -> str:
     lines = ["| GRPO step (G = 8, micro-batches of 32 rows, checkpointing) | step s | rollout s | training part s | "
              "MFU of the training part | peak GiB |", "|---|---|---|---|---|---|"]
-    used, canonical = [], _canonical_rows()
+    used, canonical = [], _canonical_rows(RESULTS / CURRENT)
     for label, case, rel in TRAINING:
         name, _, index = (rel or "").partition("#")
         if case and _case_name(case) in canonical:
@@ -186,8 +186,7 @@ def collect(out: Path) -> Path:
     """Merge the GRPO rows of a canonical run (``out/train/<case>/grpo_gpu.json``, grpo_gpu.py's output) into
     ``out/train.json``: a case run again replaces its row, the other rows stay (cases may run in separate calls).
     One row a line; the per-case folders (logs, markdown) need not be kept."""
-    path = out / TRAIN_ROWS
-    rows = {r["case"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+    path, rows = out / TRAIN_ROWS, _canonical_rows(out)
     for f in sorted((out / "train").glob("*/grpo_gpu.json")):
         for r in json.loads(f.read_text()):
             if r.get("returncode") == 0 and "step_s" in r:   # a run that finished its steps
