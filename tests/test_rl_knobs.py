@@ -4,6 +4,7 @@ transcription of the formula of the library that defines it (TRL 1.x's GRPOTrain
 get_soft_overlong_punishment; verl's REINFORCE++-baseline with its masked_whiten), on fresh random inputs."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -183,6 +184,9 @@ def test_soft_overlong_punishment_equals_trl():
     ({"vespo_lambda_neg": 0.0}, "vespo_lambda_pos and vespo_lambda_neg must be > 0"),
     ({"loss_type": "vespo", "importance_sampling_mode": "sequence_mask"}, "loss_type=vespo folds"),
     ({"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha must be in"),
+    ({"optim": "adamw_8bit"}, "optim must be one of .*'adamw_8bit'"),
+    ({"adam_beta2": 1.0}, "adam_beta1 and adam_beta2 must be in"),
+    ({"adam_epsilon": 0.0}, "adam_epsilon > 0"),
 ])
 def test_bad_knobs_are_named(knobs, words):
     with pytest.raises(ValueError, match=words):
@@ -191,7 +195,9 @@ def test_bad_knobs_are_named(knobs, words):
 
 @pytest.mark.parametrize("knobs", [{"loss_type": "luspo", "importance_sampling_level": "sequence"},
                                    {"loss_type": "vespo"}, {"advantage_estimator": "rloo"},
-                                   {"advantage_estimator": "reinforce_pp"}, {"entropy_coef": 0.01}])
+                                   {"advantage_estimator": "reinforce_pp"}, {"entropy_coef": 0.01},
+                                   {"optim": "adamw_torch", "adam_beta1": 0.8, "adam_beta2": 0.95,
+                                    "adam_epsilon": 1e-6}])
 def test_each_knob_trains_a_step_of_the_recipe(tmp_path, knobs):
     from segki_lightning.train import run
 
@@ -200,6 +206,39 @@ def test_each_knob_trains_a_step_of_the_recipe(tmp_path, knobs):
     overrides = [f"algo.{k}={v}" for k, v in knobs.items()]
     metrics = run(small(tmp_path, "trainer.max_steps=1", "rewards.0.fn.pattern='.*[a-m].*'", *overrides))
     assert math.isfinite(metrics["train/loss"])
+
+
+@pytest.mark.parametrize("master", [False, True])
+def test_the_adam_knobs_reach_the_optimizer_and_step_as_torchs_adamw(master):
+    """``adam_beta1``/``adam_beta2``/``adam_epsilon`` are the optimizer's (the masters' inner one too): three steps
+    from fresh random gradients equal torch's AdamW given the same hyper-parameters, bit for bit in fp32 (the masters
+    of a bf16 copy: its weights are the rounded masters)."""
+    from segki_lightning.rl.optim import build_optimizer
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    ref = torch.nn.Linear(16, 8)
+    net = copy.deepcopy(ref).to(torch.bfloat16 if master else torch.float32)
+    with torch.no_grad():
+        for p, q in zip(ref.parameters(), net.parameters()):
+            p.copy_(q.float())
+    hyper = dict(lr=1e-2, weight_decay=0.1, betas=(0.8, 0.95), eps=1e-3)
+    opt = build_optimizer(net.parameters(), hyper["lr"], hyper["weight_decay"], True, "adamw_torch",
+                          hyper["betas"], hyper["eps"])
+    want = torch.optim.AdamW(ref.parameters(), **hyper)
+    groups = opt.param_groups + (opt.inner.param_groups if master else [])
+    assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-3 for g in groups)
+    for _ in range(3):
+        for p, q in zip(ref.parameters(), net.parameters()):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.to(q.dtype)
+        if master:   # the masters see the bf16 gradients: give the reference the same ones
+            for p, q in zip(ref.parameters(), net.parameters()):
+                p.grad = q.grad.float()
+        opt.step()
+        want.step()
+    got = opt._flat_masters() if master else list(net.parameters())
+    for p, m in zip(ref.parameters(), got):
+        assert torch.equal(p, m)
 
 
 def test_log_completions_prints_a_table_and_keeps_num_completions_to_print(tmp_path, capsys):

@@ -332,9 +332,11 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             rank_zero_warn(message)
 
     def configure_optimizers(self):
-        """AdamW (fp32 masters for half-precision weights) and the per-step ``lr_scheduler_type`` schedule."""
+        """AdamW (``optim``, ``adam_beta1``/``adam_beta2``/``adam_epsilon``; fp32 masters for half-precision
+        weights) and the per-step ``lr_scheduler_type`` schedule."""
         c = self.cfg
-        opt = build_optimizer(self.parameters(), c.learning_rate, c.weight_decay, c.master_weights)
+        opt = build_optimizer(self.parameters(), c.learning_rate, c.weight_decay, c.master_weights, c.optim,
+                              (c.adam_beta1, c.adam_beta2), c.adam_epsilon)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         sched = build_scheduler(opt, c.lr_scheduler_type, max(total, 1), c.warmup_steps, c.warmup_ratio)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

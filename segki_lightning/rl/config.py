@@ -10,6 +10,7 @@ SCALES = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
 NONFINITE_MODES = ("raise", "skip_step")   # rl/nonfinite.py
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")   # transformers' ``optim`` names this project builds (rl/optim.py)
 
 
 @dataclass
@@ -52,6 +53,10 @@ class RLConfig:
     max_tool_calling_iterations: int | None = None   # TRL's: tool rounds a rollout may take (null: until its budget)
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
+    optim: str = "adamw_torch_fused"
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
     lr_scheduler_type: str = "linear"
     warmup_ratio: float = 0.0
     warmup_steps: int = 0
@@ -82,6 +87,12 @@ class RLConfig:
         if not 0.0 <= self.warmup_ratio < 1.0 or self.warmup_steps < 0:
             raise ValueError(f"warmup_ratio must be in [0, 1) and warmup_steps >= 0, got {self.warmup_ratio}, "
                              f"{self.warmup_steps}")
+        if self.optim not in OPTIMIZERS:
+            raise ValueError(f"optim must be one of {OPTIMIZERS} (transformers' names; other optimizers are not "
+                             f"built here), got {self.optim!r}")
+        if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0) or not self.adam_epsilon > 0:
+            raise ValueError(f"adam_beta1 and adam_beta2 must be in [0, 1) and adam_epsilon > 0, got "
+                             f"{self.adam_beta1}, {self.adam_beta2}, {self.adam_epsilon}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 (or null for no clipping), got {self.max_grad_norm}")
         if self.on_nonfinite not in NONFINITE_MODES:

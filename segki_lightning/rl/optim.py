@@ -107,13 +107,16 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, master_weights: bool = True
+def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, master_weights: bool = True,
+                    optim: str = "adamw_torch_fused", betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
                     ) -> torch.optim.Optimizer:
-    """AdamW (fused on CUDA), wrapped in :class:`MasterWeightOptimizer` when ``master_weights`` and any
-    parameter is bf16/fp16."""
+    """AdamW (``optim``, transformers' names: ``adamw_torch_fused`` fused where every parameter is a CUDA tensor and
+    none an FSDP shard, ``adamw_torch`` torch's default implementation), wrapped in :class:`MasterWeightOptimizer`
+    when ``master_weights`` and any parameter is bf16/fp16."""
     params = [p for p in params if p.requires_grad]
-    kw: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay)
-    if params and all(p.is_cuda for p in params) and not any(is_shard(p) for p in params):
+    kw: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    if (optim == "adamw_torch_fused" and params and all(p.is_cuda for p in params)
+            and not any(is_shard(p) for p in params)):
         kw["fused"] = True   # (FSDP's DTensor shards take the default foreach implementation)
     if master_weights and any(p.dtype in HALF for p in params):
         return MasterWeightOptimizer(params, torch.optim.AdamW, **kw)
