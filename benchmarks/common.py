@@ -118,13 +118,16 @@ def write_results(out: Path, name: str, rows: list[dict], columns: list[str], he
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
 
 
-def step_args(doc: str, models: list[str]) -> argparse.Namespace:
+def step_args(doc: str, models: list[str], lora: bool = False) -> argparse.Namespace:
     """The arguments of the scripts that look inside one captured decode step per model: ``--out``, ``--models``
-    (default ``models``), ``--batch``."""
+    (default ``models``), ``--batch``; with ``lora``, ``--lora R`` (the step of a LoRA policy of rank R too)."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--models", nargs="+", default=models)
     ap.add_argument("--batch", type=int, default=1)
+    if lora:
+        ap.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="then the same model with LoRA r=R on every projection (adapters non-zero); 0: not")
     return ap.parse_args()
 
 

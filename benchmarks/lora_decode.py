@@ -27,6 +27,19 @@ from segki_lightning import apply_segment_ki, remove_segment_ki  # noqa: E402
 from segki_lightning.rl.lora import apply_lora  # noqa: E402
 
 
+def lora_policy(model, r: int):
+    """``model`` wrapped by peft with LoRA r on every projection (alpha 2r, fp32 adapters on the bf16 base), its B
+    made non-zero (peft starts B at zero: a trained adapter's path is not); the model's own layers are peft's from
+    here on. Returns the ``PeftModel``."""
+    peft_model = apply_lora(model, r=r, lora_alpha=2 * r)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.01)
+    return peft_model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -45,12 +58,7 @@ def main() -> None:
         rows.append(dict(system="ours: full weights", batch=batch, **full[batch]))
         print(rows[-1], flush=True)
     remove_segment_ki(model)
-    peft_model = apply_lora(model, r=args.r, lora_alpha=2 * args.r)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():   # peft starts B at zero: a trained adapter's path is not
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * 0.01)
+    lora_policy(model, args.r)
     user_switch = os.environ.get("SEGKI_LORA_OP")
     for op, label in (("0", "peft's composition"), ("1", "lora_add op")):   # SEGKI_LORA_OP, read at capture
         os.environ["SEGKI_LORA_OP"] = op

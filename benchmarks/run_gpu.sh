@@ -32,6 +32,9 @@
 #   lora    the LoRA GPU tests (the lora_add kernel; fused LoRA rollouts under peft's composition and lora_add), then
 #           benchmarks/lora_decode.py (4B: full weights and both LoRA paths at 1, 16 and 64 rows, transformers' eager
 #           LoRA generate at 1; lora/)
+#   loraprof benchmarks/profile_step.py --lora 16: the 4B decode step kernel by kernel, full weights beside a LoRA
+#           policy (r=16 on every projection, lora_add), at 1, 16 and 64 rows, under SEGKI_PDL=0 (the kernels one
+#           after another: their times add up; loraprof/b1/, b16/, b64/): where a LoRA step's extra time goes
 #   loragrpo benchmarks/grpo_gpu.py with LoRA r=16 on every projection, 10 steps: 4B 64 rows x 512 and the 9B shape
 #           32 x 512, or the cases LORA_CASES names (lora_grpo/4b/, lora_grpo/9b/; ~6 and ~5 minutes on a fresh
 #           machine: one call each, LORA_CASES=4b:8x512:mb32:ckpt then LORA_CASES=9b:4x512:mb32:ckpt)
@@ -153,6 +156,11 @@ for stage in "${stages[@]}"; do
              python3 benchmarks/lora_decode.py --out "$out/lora" > "$out/lora_decode.log" 2>&1 \
                || tail -5 "$out/lora_decode.log"
              grep "^|" "$out/lora/lora_decode.md" ;;
+    loraprof) for b in 1 16 64; do
+               SEGKI_PDL=0 python3 benchmarks/profile_step.py --out "$out/loraprof/b$b" --models 4b --batch "$b" \
+                 --lora 16 > "$out/loraprof_b$b.log" 2>&1 || tail -5 "$out/loraprof_b$b.log"
+               grep -E "^\| 4b .*\((step|gaps)" "$out/loraprof/b$b/profile_step.md"
+             done ;;
     loragrpo) for c in ${LORA_CASES:-4b:8x512:mb32:ckpt 9b:4x512:mb32:ckpt}; do
                python3 benchmarks/grpo_gpu.py --out "$out/lora_grpo/${c%%:*}" --cases "$c" --runs segki --segki-steps 10 \
                  --warm 2 --overrides lora.r=16 > "$out/lora_grpo_${c%%:*}.log" 2>&1
