@@ -184,7 +184,7 @@ def test_soft_overlong_punishment_equals_trl():
     ({"vespo_lambda_neg": 0.0}, "vespo_lambda_pos and vespo_lambda_neg must be > 0"),
     ({"loss_type": "vespo", "importance_sampling_mode": "sequence_mask"}, "loss_type=vespo folds"),
     ({"beta": 0.1, "sync_ref_model": True, "ref_model_mixup_alpha": 1.5}, "ref_model_mixup_alpha must be in"),
-    ({"optim": "adamw_8bit"}, "optim must be one of .*'adamw_8bit'"),
+    ({"optim": "adafactor"}, "optim must be one of .*'adafactor'"),
     ({"adam_beta2": 1.0}, "adam_beta1 and adam_beta2 must be in"),
     ({"adam_epsilon": 0.0}, "adam_epsilon > 0"),
 ])
@@ -239,6 +239,58 @@ def test_the_adam_knobs_reach_the_optimizer_and_step_as_torchs_adamw(master):
     got = opt._flat_masters() if master else list(net.parameters())
     for p, m in zip(ref.parameters(), got):
         assert torch.equal(p, m)
+
+
+def test_8bit_adamw_without_bitsandbytes_is_refused_by_name(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ValueError, match="optim=adamw_8bit is bitsandbytes' 8-bit AdamW, which is not installed"):
+        GRPOConfig(optim="adamw_8bit")
+
+
+def test_8bit_adamw_is_refused_on_fsdp_shards(monkeypatch):
+    from segki_lightning.rl import optim
+
+    monkeypatch.setattr(optim, "is_shard", lambda p: True)
+    with pytest.raises(ValueError, match="does not step FSDP's sharded parameters: set optim=adamw_torch_fused"):
+        optim.build_optimizer([torch.nn.Parameter(torch.zeros(2))], 1e-3, 0.0, optim="adamw_8bit")
+
+
+def test_an_8bit_adamw_run_keeps_8bit_moments_and_resumes_exactly(tmp_path):
+    """``algo.optim=adamw_8bit`` on the bf16 recipe: bitsandbytes' AdamW8bit steps the fp32 masters, its moments of
+    the tensors of 4096 elements or more are one byte each (smaller ones fp32); resumed from step 2's checkpoint
+    (which loads as weights only), step 3 equals the uninterrupted run's, policy and masters bit for bit."""
+    pytest.importorskip("bitsandbytes")
+    from segki_lightning.rl.sizing import MIN_8BIT_SIZE
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    common = ["algo.optim=adamw_8bit", "model.dtype=bfloat16", "trainer.precision=bf16-true", "trainer.max_steps=3",
+              "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=-1", "algo.learning_rate=1e-3",
+              "algo.num_generations=4",   # groups whose rewards differ: the first two steps have gradients
+              "rewards.0.fn.pattern='.*[a-m].*'"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run(small(straight, *common))
+    run(small(resumed, f"ckpt_path={straight / 'checkpoints' / 'step-000002.ckpt'}", *common))
+    want = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)
+    got = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)
+    assert got["global_step"] == want["global_step"] == 3
+    for key, value in want["state_dict"].items():
+        assert torch.equal(got["state_dict"][key], value), key
+    masters = want["optimizer_states"][0]["masters"]
+    assert masters and all(torch.equal(got["optimizer_states"][0]["masters"][i], m) for i, m in masters.items())
+    first = torch.load(straight / "checkpoints" / "step-000001.ckpt", weights_only=True)["optimizer_states"][0]
+    assert any(not torch.equal(first["masters"][i], m) for i, m in masters.items())   # the masters moved
+    inner = want["optimizer_states"][0]["inner"]["state"].values()
+    states = [st.get("__bnb_optimizer_quant_state__", st) for st in inner]   # (bitsandbytes' nesting)
+    moments = [v for st in states for k, v in st.items() if k in ("state1", "state2")]
+    big = [m for m in moments if m.numel() >= MIN_8BIT_SIZE]
+    assert big and all(m.dtype == torch.uint8 for m in big)
+    assert all(m.dtype == torch.float32 for m in moments if m.numel() < MIN_8BIT_SIZE)
 
 
 def test_log_completions_prints_a_table_and_keeps_num_completions_to_print(tmp_path, capsys):

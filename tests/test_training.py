@@ -346,7 +346,7 @@ def test_out_of_memory_names_the_part_and_the_settings_to_change(monkeypatch, pa
     message = str(info.value)
     assert f"step 0: CUDA out of memory in the {part} pass" in message
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
-    assert "trainer.strategy=fsdp" in message
+    assert "trainer.strategy=fsdp" in message and "algo.optim=adamw_8bit (now adamw_torch_fused" in message
     if part == "rollout":
         assert "rollout.max_batch_size" in message and "micro_batch" not in message
     else:
@@ -369,3 +369,19 @@ def test_replicated_state_is_16_bytes_per_parameter_and_warns_past_the_gpu():
     assert replicated_state_warning(bf16, True, gpu_bytes=16 * n * 2) is None
     message = replicated_state_warning(bf16, True, gpu_bytes=16 * n)
     assert message is not None and "trainer.strategy=fsdp" in message and "out-of-memory" in message
+    assert "algo.optim=adamw_8bit" in message
+
+
+def test_8bit_adamw_keeps_10_bytes_per_parameter_of_large_tensors():
+    """With ``algo.optim=adamw_8bit`` the moments of tensors of MIN_8BIT_SIZE elements or more take 2 bytes (one
+    each), smaller tensors keep fp32 moments: a bf16 policy with fp32 masters keeps 10 bytes per parameter of the
+    former, 16 of the latter; the warning counts that and no longer suggests the 8-bit optimizer."""
+    from segki_lightning.rl.sizing import MIN_8BIT_SIZE, replicated_state_bytes, replicated_state_warning
+
+    big, small = torch.nn.Linear(64, 64, bias=False).bfloat16(), torch.nn.Linear(8, 8, bias=False).bfloat16()
+    assert big.weight.numel() >= MIN_8BIT_SIZE > small.weight.numel()
+    both = torch.nn.Sequential(big, small)
+    assert replicated_state_bytes(both, True, "adamw_8bit") == 10 * 64 * 64 + 16 * 8 * 8
+    assert replicated_state_bytes(both, True, "adamw_torch") == 16 * (64 * 64 + 8 * 8)
+    message = replicated_state_warning(big, True, gpu_bytes=10 * 64 * 64, optim="adamw_bnb_8bit")
+    assert message is not None and "10 bytes per parameter" in message and "adamw_8bit" not in message

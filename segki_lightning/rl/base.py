@@ -21,6 +21,7 @@ from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, RolloutStats, SamplingConfig
 from ..rollout.stops import StopStrings
 from .buffer import RolloutBuffer
+from .config import EIGHT_BIT
 from .correction import importance_weights, mismatch_stats
 from .flops import FlopShape, peak_flops
 from .gc_clock import GcClock
@@ -295,6 +296,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if not is_model_parallel(self.trainer.strategy):
             self._warn_if_replicated_state_does_not_fit()
             return
+        if self.cfg.optim in EIGHT_BIT:
+            raise ValueError(f"optim={self.cfg.optim} (bitsandbytes) does not step FSDP's sharded parameters: set "
+                             "algo.optim=adamw_torch_fused under trainer.strategy=fsdp")
         if self.trainer.precision not in ("32-true", "32"):
             raise ValueError(f"under FSDP (ModelParallelStrategy) use precision='32-true', not "
                              f"{self.trainer.precision!r}: the fp32 shards are the master weights and the layers "
@@ -315,7 +319,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             total = torch.cuda.get_device_properties(self.device).total_memory
         return out_of_memory_message(self.global_step, self._part, self.cfg,
                                      bool(getattr(self.policy, "is_gradient_checkpointing", False)),
-                                     is_sharded(self.policy), replicated_state_bytes(self, self.cfg.master_weights),
+                                     is_sharded(self.policy),
+                                     replicated_state_bytes(self, self.cfg.master_weights, self.cfg.optim),
                                      allocated, total)
 
     def _warn_if_replicated_state_does_not_fit(self) -> None:
@@ -327,7 +332,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if root.type != "cuda":
             return
         message = replicated_state_warning(self, self.cfg.master_weights,
-                                           torch.cuda.get_device_properties(root).total_memory)
+                                           torch.cuda.get_device_properties(root).total_memory, self.cfg.optim)
         if message:
             rank_zero_warn(message)
 

@@ -2,6 +2,7 @@
 TRL has them; the README lists every one and says where we differ and why."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -10,7 +11,9 @@ SCALES = ("group", "batch", "none")
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
 NONFINITE_MODES = ("raise", "skip_step")   # rl/nonfinite.py
-OPTIMIZERS = ("adamw_torch_fused", "adamw_torch")   # transformers' ``optim`` names this project builds (rl/optim.py)
+# transformers' ``optim`` names this project builds (rl/optim.py); the 8-bit ones are bitsandbytes' AdamW8bit
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_8bit", "adamw_bnb_8bit")
+EIGHT_BIT = ("adamw_8bit", "adamw_bnb_8bit")
 
 
 @dataclass
@@ -36,6 +39,12 @@ class RLConfig:
     Schedule (transformers' ``get_scheduler``): ``lr_scheduler_type`` over the run's optimizer steps, after
     ``warmup_steps`` (or, when 0, ``warmup_ratio`` of them); ``max_grad_norm`` clips the gradient norm unless the
     Trainer's ``gradient_clip_val`` is set.
+
+    Optimizer (transformers' ``TrainingArguments`` names and defaults): ``optim`` AdamW, fused where the parameters
+    allow it (``adamw_torch_fused``: CUDA tensors, not FSDP shards), torch's default implementation
+    (``adamw_torch``), or bitsandbytes' 8-bit AdamW (``adamw_8bit`` = ``adamw_bnb_8bit``: the two moments in one
+    byte each, block-wise quantized, for tensors of 4096 elements or more -- 6 bytes a parameter less; not under
+    FSDP); ``adam_beta1``, ``adam_beta2``, ``adam_epsilon`` its betas and epsilon.
 
     ``on_nonfinite``: an infinite reward, a non-finite loss or gradient norm stops the run before the optimizer
     step (``raise``) or skips the step (``skip_step``), see :mod:`~segki_lightning.rl.nonfinite`."""
@@ -90,6 +99,9 @@ class RLConfig:
         if self.optim not in OPTIMIZERS:
             raise ValueError(f"optim must be one of {OPTIMIZERS} (transformers' names; other optimizers are not "
                              f"built here), got {self.optim!r}")
+        if self.optim in EIGHT_BIT and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(f"optim={self.optim} is bitsandbytes' 8-bit AdamW, which is not installed: pip install "
+                             "bitsandbytes (or the project's [bnb] extra), or set optim=adamw_torch_fused")
         if not (0.0 <= self.adam_beta1 < 1.0 and 0.0 <= self.adam_beta2 < 1.0) or not self.adam_epsilon > 0:
             raise ValueError(f"adam_beta1 and adam_beta2 must be in [0, 1) and adam_epsilon > 0, got "
                              f"{self.adam_beta1}, {self.adam_beta2}, {self.adam_epsilon}")

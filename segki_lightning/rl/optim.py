@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..lightning.fsdp import HALF, is_shard
+from .config import EIGHT_BIT
 
 BUCKET_ELEMENTS = 1 << 28   # fp32 gradients made at once while stepping (1 GiB)
 
@@ -110,17 +111,27 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, master_weights: bool = True,
                     optim: str = "adamw_torch_fused", betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
                     ) -> torch.optim.Optimizer:
-    """AdamW (``optim``, transformers' names: ``adamw_torch_fused`` fused where every parameter is a CUDA tensor and
-    none an FSDP shard, ``adamw_torch`` torch's default implementation), wrapped in :class:`MasterWeightOptimizer`
-    when ``master_weights`` and any parameter is bf16/fp16."""
+    """AdamW as ``optim`` names it (transformers' names: ``adamw_torch_fused`` fused where every parameter is a CUDA
+    tensor and none an FSDP shard, ``adamw_torch`` torch's default implementation, ``adamw_8bit`` /
+    ``adamw_bnb_8bit`` bitsandbytes' 8-bit AdamW), wrapped in :class:`MasterWeightOptimizer` when ``master_weights``
+    and any parameter is bf16/fp16 (the 8-bit moments are then the fp32 masters')."""
     params = [p for p in params if p.requires_grad]
     kw: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
-    if (optim == "adamw_torch_fused" and params and all(p.is_cuda for p in params)
-            and not any(is_shard(p) for p in params)):
-        kw["fused"] = True   # (FSDP's DTensor shards take the default foreach implementation)
+    sharded = any(is_shard(p) for p in params)
+    if optim in EIGHT_BIT:
+        if sharded:
+            raise ValueError(f"optim={optim} (bitsandbytes) does not step FSDP's sharded parameters: set "
+                             "optim=adamw_torch_fused under trainer.strategy=fsdp")
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.AdamW8bit
+    else:
+        cls = torch.optim.AdamW
+        if optim == "adamw_torch_fused" and params and all(p.is_cuda for p in params) and not sharded:
+            kw["fused"] = True   # (FSDP's DTensor shards take the default foreach implementation)
     if master_weights and any(p.dtype in HALF for p in params):
-        return MasterWeightOptimizer(params, torch.optim.AdamW, **kw)
-    return torch.optim.AdamW(params, **kw)
+        return MasterWeightOptimizer(params, cls, **kw)
+    return cls(params, **kw)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, total_steps: int, warmup_steps: int = 0,
