@@ -94,6 +94,97 @@ def test_the_entropy_bonus_is_the_steps_mean_token_entropy(loss_type):
     assert torch.allclose(parts, (entropy * mask).sum() / mask.sum(), rtol=1e-12, atol=0)
 
 
+def trl_nanstd(tensor, dim=None, keepdim=False):   # trl.trainer.utils.nanstd
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)
+    correction = count / (count - 1)
+    correction = torch.where(count > 1, correction, torch.full_like(correction, float("nan")))
+    variance *= correction
+    std = torch.sqrt(variance)
+    return std if keepdim or dim is None else std.squeeze(dim)
+
+
+def trl_normalize_then_sum(rewards_per_func, reward_weights, num_generations):   # GRPOTrainer, one process
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = trl_nanstd(grouped, dim=1, keepdim=True)
+    reward_k = ((grouped - mean_k) / (std_k + 1e-4)).view(-1, rewards_per_func.shape[1])
+    rewards = (reward_k * reward_weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    std_rewards = trl_nanstd(rewards).expand_as(rewards)
+    advantages = (rewards - torch.nanmean(rewards)) / (std_rewards + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+def trl_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+    kl_div = sampling_per_token_logps - per_token_logps.detach()
+    seq_kl_sum = (kl_div * mask).sum(dim=1, keepdim=True)
+    avg_seq_kl = seq_kl_sum / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(1) >= 0) | (avg_seq_kl <= off_policy_threshold)).to(dtype=mask.dtype)
+
+
+def test_gdpo_advantages_equal_trls_normalize_then_sum():
+    """Fresh random rewards of three functions, some not applying (NaN) to some rows and none to one row, one
+    function constant within a group: the advantages equal TRL's ``normalize_then_sum`` (bit for bit)."""
+    from segki_lightning.rl.advantages import gdpo_advantages
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    g, groups = 4, 5
+    table = torch.randn(g * groups, 3, generator=gen) * torch.tensor([1.0, 10.0, 0.1])
+    table[torch.rand(table.shape, generator=gen) < 0.2] = float("nan")
+    table[3] = float("nan")             # a row no function applies to
+    table[4:8, 0] = 2.0                 # a group where function 0 does not vary
+    weights = torch.rand(3, generator=gen) + 0.5
+    assert torch.equal(gdpo_advantages(table, weights, g), trl_normalize_then_sum(table, weights, g))
+
+
+def test_a_normalize_then_sum_rollout_takes_each_functions_values():
+    """The module forms GDPO's advantages from the ``[N, F]`` table its reward functions returned, whose
+    weighted sum is the logged reward."""
+    from segki_lightning.rl.advantages import gdpo_advantages
+
+    module = tiny_module(multi_objective_aggregation="normalize_then_sum")
+    buf = module.prepare({"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]})
+    table = buf.scored.per_function
+    weights = torch.tensor([r.weight for r in module.rewards])
+    assert table.shape == (len(buf.scored.batch), len(module.rewards))
+    assert torch.allclose(torch.nansum(table * weights, 1), buf.scored.rewards)
+    assert torch.equal(buf.data["adv"], gdpo_advantages(table, weights, module.cfg.num_generations))
+
+
+def test_the_off_policy_mask_equals_trls_and_drops_only_drifted_negative_rows():
+    """The mask equals TRL's ``get_off_policy_mask`` on fresh random inputs; in a step, rows with a negative
+    advantage whose sampler log-probs sit 1.0 a token above the current policy's (threshold 0.5) leave the policy
+    term -- the loss equals the plain module's with their advantages zeroed -- and the other rows stay."""
+    from segki_lightning.rl.losses import off_policy_mask
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    logp, sampler = -torch.rand(6, 9, generator=gen) * 3, -torch.rand(6, 9, generator=gen) * 3
+    adv, mask = torch.randn(6, generator=gen), (torch.rand(6, 9, generator=gen) < 0.8).float()
+    assert torch.equal(off_policy_mask(adv, logp, sampler, mask, 0.3),
+                       trl_off_policy_mask(adv, logp, sampler, mask, 0.3))
+
+    module = tiny_module(off_policy_mask_threshold=0.5, importance_sampling_correction=False)
+    plain = tiny_module(importance_sampling_correction=False)
+    plain.policy.load_state_dict(module.policy.state_dict())
+    buf = module.prepare({"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]})
+    n = len(buf.scored.batch)
+    rows, totals = torch.arange(n), Totals.of(buf.data["mask"])
+    sign = torch.tensor([-1.0, -1.0, 1.0, 1.0]).repeat(n // 4)
+    buf.data["adv"] = (torch.rand(n, generator=gen) + 0.1) * sign
+    drift = torch.arange(n) % 2 == 0
+    current = module.scores(module.policy, buf.scored.batch, rows).logp.detach()
+    buf.scored.batch.logprobs = torch.where(drift[:, None], current + 1.0, current)
+    got, _ = module.step_loss(buf, rows, totals)
+    dropped = drift & (buf.data["adv"] < 0)
+    assert dropped.any() and ((buf.data["adv"] < 0) & ~drift).any()
+    buf.data["adv"] = buf.data["adv"].masked_fill(dropped, 0.0)
+    want, _ = plain.step_loss(buf, rows, totals)
+    assert torch.equal(got, want)
+
+
 def test_the_entropy_coef_moves_the_step_loss_by_the_bonus():
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
     module = tiny_module(entropy_coef=0.3, importance_sampling_correction=False)
@@ -187,6 +278,10 @@ def test_soft_overlong_punishment_equals_trl():
     ({"optim": "adafactor"}, "optim must be one of .*'adafactor'"),
     ({"adam_beta2": 1.0}, "adam_beta1 and adam_beta2 must be in"),
     ({"adam_epsilon": 0.0}, "adam_epsilon > 0"),
+    ({"multi_objective_aggregation": "mean"}, "multi_objective_aggregation must be one of"),
+    ({"multi_objective_aggregation": "normalize_then_sum", "advantage_estimator": "rloo"},
+     "normalize_then_sum forms GRPO's advantages"),
+    ({"off_policy_mask_threshold": 0.0}, "off_policy_mask_threshold must be > 0"),
 ])
 def test_bad_knobs_are_named(knobs, words):
     with pytest.raises(ValueError, match=words):
@@ -197,7 +292,9 @@ def test_bad_knobs_are_named(knobs, words):
                                    {"loss_type": "vespo"}, {"advantage_estimator": "rloo"},
                                    {"advantage_estimator": "reinforce_pp"}, {"entropy_coef": 0.01},
                                    {"optim": "adamw_torch", "adam_beta1": 0.8, "adam_beta2": 0.95,
-                                    "adam_epsilon": 1e-6}])
+                                    "adam_epsilon": 1e-6},
+                                   {"multi_objective_aggregation": "normalize_then_sum"},
+                                   {"off_policy_mask_threshold": 0.5, "num_iterations": 2}])
 def test_each_knob_trains_a_step_of_the_recipe(tmp_path, knobs):
     from segki_lightning.train import run
 

@@ -1,5 +1,6 @@
-"""Advantages: GRPO's group-normalised rewards, RLOO's leave-one-out baseline, REINFORCE++-baseline's
-batch-whitened group baseline, PPO's generalised advantage estimation and whitening."""
+"""Advantages: GRPO's group-normalised rewards (or GDPO's, each reward function normalised before the sum), RLOO's
+leave-one-out baseline, REINFORCE++-baseline's batch-whitened group baseline, PPO's generalised advantage
+estimation and whitening."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,36 @@ def group_advantages(rewards: Tensor, group: int, scale: str, batch_std: Tensor 
     elif scale == "batch":
         adv = adv / ((rewards.std() if batch_std is None else batch_std) + 1e-4)
     return adv.reshape(-1)
+
+
+def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """The standard deviation of the non-NaN values (Bessel-corrected; NaN where fewer than two)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    correction = count / (count - 1)   # (Bessel's; computed first: the rounding of TRL's nanstd)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True) * torch.where(
+        count > 1, correction, torch.full_like(correction, float("nan")))
+    out = var.sqrt()
+    return out if keepdim or dim is None else out.squeeze(dim)
+
+
+def gdpo_advantages(per_function: Tensor, weights: Tensor, group: int) -> Tensor:
+    """``[N, F]`` rewards of F functions (NaN where one does not apply) -> advantages as TRL's
+    ``multi_objective_aggregation="normalize_then_sum"`` (GDPO) forms them: each function normalized within its
+    groups of ``group`` (``(r - mean) / (std + 1e-4)``, NaN-aware), summed with ``weights [F]``, then
+    ``(s - mean) / (std + 1e-4)`` over the batch of every rank. A row no function applies to gets 0 and stays out
+    of the batch statistics."""
+    from .dist import gather_rows
+
+    n, f = per_function.shape
+    grouped = per_function.view(-1, group, f)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    std_k = nanstd(grouped, dim=1, keepdim=True) if group > 1 else torch.zeros_like(mean_k)
+    summed = torch.nansum(((grouped - mean_k) / (std_k + 1e-4)).view(n, f) * weights[None], dim=1)   # [N]
+    summed[torch.isnan(per_function).all(1)] = float("nan")
+    every = gather_rows(summed)
+    std = nanstd(every) if every.numel() > 1 else summed.new_zeros(())
+    return torch.nan_to_num((summed - torch.nanmean(every)) / (std + 1e-4), nan=0.0)
 
 
 def rloo_advantages(rewards: Tensor, group: int) -> Tensor:

@@ -29,7 +29,7 @@ from .logprobs import TokenScores, completion_logprobs, packs
 from .lora import is_peft
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
-from .rewards import RewardFn, WeightedReward, as_rewards, score
+from .rewards import RewardFn, WeightedReward, as_rewards, reward_table, summarize
 from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
 from .task import check_batch, completion_token_ids, cut_at_stop_strings, decode
@@ -60,6 +60,7 @@ class Scored:
     means: dict[str, float]      # mean of each reward function
     rollout_s: float
     tools: dict[str, float] | None = None   # multi-turn rollouts: tool-call metrics by name
+    per_function: Tensor | None = None      # [N, F] fp32 each reward function's value, NaN where it does not apply
 
 
 def row_lengths(ro: RolloutBatch, rows: Tensor) -> Tensor:
@@ -447,13 +448,15 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         else:
             completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         extra = {"environments": envs} if envs is not None else {}
-        total, means = score(self.rewards, prompts, completions, columns, completion_ids=completion_token_ids(
+        table = reward_table(self.rewards, prompts, completions, columns, completion_ids=completion_token_ids(
             ro.completion_ids, ro.completion_mask), **extra)
+        total, means = summarize(self.rewards, table)
         rewards = torch.tensor(total, dtype=torch.float32, device=self.device)
+        per_function = torch.tensor(table, dtype=torch.float32, device=self.device).T          # [N, F]
         tools = None if session is None else {"tools/call_frequency": session.calls / len(ro),
                                               "tools/failure_frequency": session.failures / max(session.calls, 1),
                                               "time/rollout_tools_s": session.tool_s}
-        return Scored(ro, prompts, texts, rewards, means, rollout_s, tools)
+        return Scored(ro, prompts, texts, rewards, means, rollout_s, tools, per_function)
 
     def environment_pool(self, rows: int) -> list:
         """``rows`` environments: those built for earlier rollouts, and new ones from the factory past them

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
 SCALES = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")   # TRL's multi_objective_aggregation (GDPO: the second)
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 IS_LEVELS = ("token", "sequence")
 NONFINITE_MODES = ("raise", "skip_step")   # rl/nonfinite.py
@@ -147,7 +148,13 @@ class GRPOConfig(RLConfig):
 
     A rollout of ``prompts x num_generations`` rows serves ``num_iterations x steps_per_generation`` optimizer
     steps: its rows are shuffled once and split into ``steps_per_generation`` slices, and every iteration steps
-    once on each slice."""
+    once on each slice.
+
+    ``multi_objective_aggregation`` (TRL's): ``sum_then_normalize`` weighs and sums the reward functions, then
+    normalizes per ``scale_rewards``; ``normalize_then_sum`` (GDPO) normalizes each function within its groups
+    first, sums them weighted, and normalizes the sum over the batch (all processes). ``off_policy_mask_threshold``
+    (TRL's, DeepSeek-V3.2's delta): a completion with a negative advantage whose mean per-token KL from the sampler
+    to the current policy exceeds it is left out of the policy term."""
 
     num_generations: int = 8
     num_iterations: int = 1
@@ -161,6 +168,8 @@ class GRPOConfig(RLConfig):
     importance_sampling_level: str = "token"
     loss_type: str = "dapo"
     scale_rewards: str = "group"
+    multi_objective_aggregation: str = "sum_then_normalize"
+    off_policy_mask_threshold: float | None = None
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
     use_bias_correction_kl: bool = False
@@ -210,6 +219,15 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.scale_rewards not in SCALES:
             raise ValueError(f"scale_rewards must be one of {SCALES}, got {self.scale_rewards!r}")
+        if self.multi_objective_aggregation not in AGGREGATIONS:
+            raise ValueError(f"multi_objective_aggregation must be one of {AGGREGATIONS}, got "
+                             f"{self.multi_objective_aggregation!r}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and self.advantage_estimator != "grpo":
+            raise ValueError(f"multi_objective_aggregation=normalize_then_sum forms GRPO's advantages (GDPO): set "
+                             f"advantage_estimator=grpo, not {self.advantage_estimator!r}")
+        if self.off_policy_mask_threshold is not None and not self.off_policy_mask_threshold > 0:
+            raise ValueError(f"off_policy_mask_threshold must be > 0 (or null: off), got "
+                             f"{self.off_policy_mask_threshold}")
         if self.num_generations < 2:
             raise ValueError("num_generations must be >= 2: GRPO compares completions within a group")
         if self.max_num_gen_batches < 1:

@@ -26,7 +26,7 @@ def informative_groups(rewards: Tensor, group: int) -> Tensor:
 
 def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
     """One ``Scored`` of the groups ``idx`` of each ``(scored, idx)`` part, in that order: rows re-stacked (prompts
-    left-padded to the longest), rewards, texts and prompts with them; reward means weighted by rows; timings
+    left-padded to the longest), rewards (total and per function), texts and prompts with them; reward means weighted by rows; timings
     and token counts summed over the parts' rollouts."""
     rows = [torch.cat([torch.arange(g * group, (g + 1) * group) for g in idx.tolist()]) if len(idx)
             else torch.zeros(0, dtype=torch.long) for _, idx in parts]
@@ -58,7 +58,9 @@ def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
     return replace(first, batch=batch, means=means, rollout_s=sum(s.rollout_s for s, _ in parts),
                    prompts=[s.prompts[i] for (s, _), r in zip(parts, rows) for i in r.tolist()],
                    texts=[s.texts[i] for (s, _), r in zip(parts, rows) for i in r.tolist()],
-                   rewards=torch.cat([s.rewards[r.to(s.rewards.device)] for (s, _), r in zip(parts, rows)]))
+                   rewards=torch.cat([s.rewards[r.to(s.rewards.device)] for (s, _), r in zip(parts, rows)]),
+                   per_function=None if first.per_function is None else
+                   torch.cat([s.per_function[r.to(s.per_function.device)] for (s, _), r in zip(parts, rows)]))
 
 
 def fill(scored: list, want: int, group: int, pad_token_id: int) -> tuple[Any, dict[str, float]]:

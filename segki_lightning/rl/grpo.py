@@ -8,13 +8,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .advantages import group_advantages, high_entropy_mask, reinforce_pp_advantages, rloo_advantages
+from .advantages import (gdpo_advantages, group_advantages, high_entropy_mask, reinforce_pp_advantages,
+                         rloo_advantages)
 from .base import RLModule
 from .buffer import RolloutBuffer, schedule
 from .config import GRPOConfig
 from .dist import gather_rows, global_sum
 from .dynamic import RefillPrompts, fill, informative_groups
-from .losses import Totals, entropy_bonus, grpo_loss, token_mean
+from .losses import Totals, entropy_bonus, grpo_loss, off_policy_mask, token_mean
 from .rewards import WeightedReward
 
 
@@ -62,7 +63,7 @@ class GRPOModule(RLModule):
             if ro.stopped is not None:
                 ended = ended | ro.stopped
             data["mask"] = data["mask"] * ended[:, None].long()
-        data["adv"] = self.advantages(s.rewards, data["mask"])                                 # [N]
+        data["adv"] = self.advantages(s.rewards, data["mask"], s.per_function)                 # [N]
         if cfg.steps_per_rollout > 1 or cfg.top_entropy_quantile < 1.0:
             old = self.old_scores(ro)
             data["old_logp"] = old.logp
@@ -131,11 +132,18 @@ class GRPOModule(RLModule):
             raise ValueError("algo.dynamic_sampling runs on one process only (ranks would make different numbers of "
                              "rollouts and wait on each other): set it false under DDP/FSDP")
 
-    def advantages(self, rewards: Tensor, mask: Tensor) -> Tensor:
+    def advantages(self, rewards: Tensor, mask: Tensor, per_function: Tensor | None = None) -> Tensor:
         """``[N]`` advantages of ``[N]`` rewards by ``advantage_estimator``: ``grpo`` (group mean removed, scaled
-        by ``scale_rewards``), ``rloo`` (leave-one-out baseline, unscaled) or ``reinforce_pp`` (group mean removed,
-        whitened over the batch's loss tokens ``mask [N, T]``)."""
+        by ``scale_rewards``; with ``multi_objective_aggregation=normalize_then_sum`` GDPO's from the ``[N, F]``
+        rewards of each function), ``rloo`` (leave-one-out baseline, unscaled) or ``reinforce_pp`` (group mean
+        removed, whitened over the batch's loss tokens ``mask [N, T]``)."""
         cfg, g = self.cfg, self.cfg.num_generations
+        if cfg.multi_objective_aggregation == "normalize_then_sum":
+            if per_function is None:
+                raise ValueError("multi_objective_aggregation=normalize_then_sum needs each reward function's values")
+            weights = torch.tensor([r.weight for r in self.rewards], dtype=per_function.dtype,
+                                   device=per_function.device)
+            return gdpo_advantages(per_function, weights, g)
         if cfg.advantage_estimator == "rloo":
             return rloo_advantages(rewards, g)
         if cfg.advantage_estimator == "reinforce_pp":
@@ -154,6 +162,10 @@ class GRPOModule(RLModule):
             sampler_ratio, weights = weights, None
         if "token_weight" in d:
             weights = d["token_weight"][rows] if weights is None else weights * d["token_weight"][rows]
+        if cfg.off_policy_mask_threshold is not None:
+            keep = off_policy_mask(d["adv"][rows], sc.logp, buf.scored.batch.logprobs[rows], mask,
+                                   cfg.off_policy_mask_threshold)                                # [n, 1]
+            weights = keep if weights is None else weights * keep
         ref = d["ref_logp"][rows] if "ref_logp" in d else None
         loss, part = grpo_loss(sc.logp, old, ref, d["adv"][rows], mask, cfg, totals, weights, sampler_ratio)
         if self.entropy.enabled:   # TRL's bonus: on the same tokens as the policy term

@@ -86,6 +86,16 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, loss_type: str, totals: Totals)
     return token_mean(entropy, mask, totals)
 
 
+def off_policy_mask(adv: Tensor, logp: Tensor, sampler_logp: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``), ``[n, 1]``: 0 drops a
+    completion from the policy term, where its advantage ``adv [n]`` is negative AND the mean over its tokens of
+    ``sampler_logp - logp`` (the sampler's log-probs against the current policy's, detached: ``[n, T]``) exceeds
+    ``threshold``; 1 keeps it."""
+    m = mask.float()
+    kl = ((sampler_logp - logp.detach()) * m).sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp_min(1)   # [n, 1]
+    return ((adv[:, None] >= 0) | (kl <= threshold)).to(m.dtype)
+
+
 def grpo_loss(logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, adv: Tensor, mask: Tensor,
               cfg: GRPOConfig, totals: Totals | None = None, weights: Tensor | None = None,
               sampler_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:

@@ -221,14 +221,12 @@ def _numbers(label: str, values: Sequence[Any]) -> list[float]:
     return out
 
 
-def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
-          columns: dict[str, list], **extra: Any) -> tuple[list[float], dict[str, float]]:
-    """Weighted total per completion and the mean of each reward function (for logging), TRL's semantics: a
-    function returns one float or ``None`` (not applicable to that row) per completion; ``None`` is left out of
-    the weighted sum and of that function's mean; a row no function applies to scores 0 (with a warning); +-inf
-    raises :class:`~segki_lightning.rl.nonfinite.NonFiniteError`.
-
-    ``extra`` (e.g. ``completion_ids``) is passed by keyword next to the dataset's columns."""
+def reward_table(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
+                 columns: dict[str, list], **extra: Any) -> list[list[float]]:
+    """Each reward function's values, ``[F][N]`` floats with ``None`` (the function does not apply to that row) as
+    NaN, checked as TRL's contract asks: one float or ``None`` per completion; +-inf raises
+    :class:`~segki_lightning.rl.nonfinite.NonFiniteError`. ``extra`` (e.g. ``completion_ids``) is passed by keyword
+    next to the dataset's columns."""
     n = len(completions)
     table = []
     for r in rewards:
@@ -239,6 +237,12 @@ def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions
                              "per completion")
         table.append(_numbers(r.label, values))
     check_rewards(table, [r.label for r in rewards])
+    return table
+
+
+def summarize(rewards: Sequence[WeightedReward], table: list[list[float]]) -> tuple[list[float], dict[str, float]]:
+    """The weighted total per completion and the mean of each function over the rows it applies to (TRL's
+    semantics: ``None`` is left out of both); a row no function applies to scores 0, with a warning."""
     means = {}
     for r, values in zip(rewards, table):
         kept = [v for v in values if not math.isnan(v)]
@@ -250,3 +254,10 @@ def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions
     if any(all(math.isnan(v) for v in row) for row in zip(*table)):
         log.warning("segki: every reward function returned None for some completions; they score 0")
     return total, means
+
+
+def score(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
+          columns: dict[str, list], **extra: Any) -> tuple[list[float], dict[str, float]]:
+    """Weighted total per completion and the mean of each reward function (for logging): :func:`summarize` of
+    :func:`reward_table`."""
+    return summarize(rewards, reward_table(rewards, prompts, completions, columns, **extra))
