@@ -34,6 +34,29 @@ def test_chat_prompts_render_with_the_template_and_a_generation_prompt():
         m._prompt_ids(CHAT)
 
 
+# Qwen3's switch, in the form its template reads it: no thinking block unless enable_thinking is left on
+THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}"
+            "assistant: {% if enable_thinking is defined and not enable_thinking %}nothink {% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template():
+    """TRL's ``chat_template_kwargs`` (here ``enable_thinking``) are passed to the chat template of every prompt;
+    the Hydra form is ``+algo.chat_template_kwargs.enable_thinking=false``."""
+    tok = char_tokenizer()
+    tok.chat_template = THINKING
+    assert render_chat(tok, CHAT) == "system: add user: 1+2= assistant: "
+    m = tiny_module(chat_template_kwargs={"enable_thinking": False})
+    m.tokenizer = tok
+    assert m._prompt_ids(CHAT) == tok("system: add user: 1+2= assistant: nothink ", add_special_tokens=False)[
+        "input_ids"]
+    cfg = small(".", "+algo.chat_template_kwargs.enable_thinking=false")
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.to_object(cfg.algo).chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match="chat_template_kwargs must be a mapping"):
+        tiny_module(chat_template_kwargs=["enable_thinking"])
+
+
 def test_max_prompt_length_cuts_from_the_left():
     m = tiny_module(max_prompt_length=3)
     assert m.prompt_ids(["12+34=", [5, 6]]) == [m._prompt_ids("12+34=")[-3:], [5, 6]]

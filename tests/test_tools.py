@@ -85,6 +85,17 @@ def test_a_session_runs_the_calls_and_answers_through_the_chat_template():
     assert session.messages[0][-1] == {"role": "assistant", "content": "the sum is 42"}
 
 
+def test_a_session_renders_the_tool_turns_with_the_chat_template_kwargs():
+    """The tokens appended after a tool call come from the template rendered with ``chat_template_kwargs``."""
+    tok = tool_tokenizer()
+    tok.chat_template = TEMPLATE.replace("[assistant]", "[assistant]{% if not thinking %}(no thinking){% endif %}")
+    turn = ids(tok, '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>')
+    plain = ToolSession(tok, [add], None, n_rows=1, template_kwargs={"thinking": True}).respond([0], [turn])
+    quiet = ToolSession(tok, [add], None, n_rows=1, template_kwargs={"thinking": False}).respond([0], [turn])
+    assert tok.decode(plain[0]) == "[tool]2<eos>[assistant]"
+    assert tok.decode(quiet[0]) == "[tool]2<eos>[assistant](no thinking)"
+
+
 class Guess:
     """A number-guessing game: the environment's public method is its tool; reset() adds text to the prompt."""
 

@@ -15,14 +15,15 @@ def is_conversation(prompt) -> bool:
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
 
 
-def render_chat(tokenizer, messages, tools=None) -> str:
+def render_chat(tokenizer, messages, tools=None, **template_kwargs) -> str:
     """``messages`` through the tokenizer's chat template, ending with the assistant's generation prompt; ``tools``
-    (functions) rendered as the template's tool schemas."""
+    (functions) rendered as the template's tool schemas; ``template_kwargs`` (TRL's ``chat_template_kwargs``, e.g.
+    ``enable_thinking=False``) passed to the template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat prompts need a tokenizer with a chat template (tokenizer.chat_template is empty): "
                          "set one, or pass prompts as strings")
     return tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **template_kwargs)
 
 
 class SegKIRolloutMixin:
@@ -60,7 +61,8 @@ class SegKIRolloutMixin:
     def _prompt_ids(self, prompt) -> list[int]:
         """Token ids of a prompt: ids as given; a string tokenized without special tokens; a conversation (a list
         of ``{"role", "content"}`` messages, TRL's conversational format) rendered with the tokenizer's chat
-        template and a generation prompt, then tokenized."""
+        template and a generation prompt (and ``self.chat_template_kwargs`` where the module has them), then
+        tokenized."""
         if isinstance(prompt, torch.Tensor):
             return prompt.tolist()
         if isinstance(prompt, str) or is_conversation(prompt):
@@ -68,7 +70,8 @@ class SegKIRolloutMixin:
             if tok is None:
                 raise TypeError("string and chat prompts need self.tokenizer; pass token ids instead")
             if not isinstance(prompt, str):
-                prompt = render_chat(tok, prompt, getattr(self, "chat_tools", None))
+                prompt = render_chat(tok, prompt, getattr(self, "chat_tools", None),
+                                     **(getattr(self, "chat_template_kwargs", None) or {}))
             return tok(prompt, add_special_tokens=False)["input_ids"]
         return list(prompt)
 

@@ -83,6 +83,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.tools, self.environment_factory = list(tools), environment_factory
         self.tool_call_parser = tool_call_parser or parse_tool_calls
         self.chat_tools, env_reward = self.tools, None
+        self.chat_template_kwargs = dict(cfg.chat_template_kwargs or {})   # every chat rendering (TRL's)
         self._environments: list = []   # built once, reset for every rollout (TRL's pool); grows to the rows needed
         if environment_factory is not None:
             probe = environment_factory()
@@ -478,7 +479,8 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             row = {k: vals[i] for k, vals in batch.items()}
             for k in range(n):
                 prompts.append(prompt if envs is None else with_text(prompt, envs[i * n + k].reset(**row)))
-        session = ToolSession(self.tokenizer, self.tools, envs, len(prompts), self.tool_call_parser)
+        session = ToolSession(self.tokenizer, self.tools, envs, len(prompts), self.tool_call_parser,
+                              self.chat_template_kwargs)
         rounds = self.cfg.max_tool_calling_iterations
         max_turns = 1 + (rounds if rounds is not None else self.cfg.max_completion_length)
         ro = self.rollout_turns(self.prompt_ids(prompts), self.sampling(1, greedy), session.respond, max_turns)

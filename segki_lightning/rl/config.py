@@ -3,7 +3,8 @@ TRL has them; the README lists every one and says where we differ and why."""
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
@@ -60,6 +61,9 @@ class RLConfig:
     max_prompt_length: int | None = 512
     max_completion_length: int = 512
     stop_strings: list[str] | None = None
+    # TRL's: passed to every apply_chat_template, e.g. {enable_thinking: false} ({} rather than TRL's None: Hydra
+    # merges a mapping given on the command line into a mapping, not into None)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     max_tool_calling_iterations: int | None = None   # TRL's: tool rounds a rollout may take (null: until its budget)
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
@@ -130,6 +134,10 @@ class RLConfig:
         if self.stop_strings is not None and (isinstance(self.stop_strings, str) or not all(
                 isinstance(x, str) and x for x in self.stop_strings)):
             raise ValueError(f"stop_strings must be a list of non-empty strings, got {self.stop_strings!r}")
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and not (hasattr(kwargs, "keys") and all(isinstance(k, str) for k in kwargs)):
+            raise ValueError(f"chat_template_kwargs must be a mapping of keyword names to values (e.g. "
+                             f"{{enable_thinking: false}}), got {self.chat_template_kwargs!r}")
         if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
             raise ValueError(f"max_tool_calling_iterations must be >= 0 (or null: until the completion budget), got "
                              f"{self.max_tool_calling_iterations}")

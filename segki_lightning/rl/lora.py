@@ -7,6 +7,7 @@ in place), so log-probs, rollouts and FLOP counts see the architecture they know
 for switching the adapters off and for saving them."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -16,11 +17,10 @@ ALL_LINEAR = "all-linear"
 
 
 def is_peft(model: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    """A ``PeftModel``. Asked without importing peft (whose import pulls in bitsandbytes where that is installed,
+    ~2 s): a model of peft's classes exists only once peft has been imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def apply_lora(model: nn.Module, r: int, lora_alpha: int, lora_dropout: float = 0.0,

@@ -77,11 +77,14 @@ def with_text(prompt: Any, text: str | None) -> Any:
 class ToolSession:
     """The tool loop of one rollout batch of ``n_rows`` rows. ``tools``: functions every row may call;
     ``environments``: one per row (or None), whose methods are that row's tools besides; ``parser``: a turn's
-    text -> its calls (default: the Hermes/Qwen ``<tool_call>`` JSON)."""
+    text -> its calls (default: the Hermes/Qwen ``<tool_call>`` JSON); ``template_kwargs``: passed to the chat
+    template with every rendering (TRL's ``chat_template_kwargs``)."""
 
     def __init__(self, tokenizer, tools: Sequence[Callable], environments: Sequence[Any] | None, n_rows: int,
-                 parser: Callable[[str], list[dict[str, Any]]] = parse_tool_calls):
+                 parser: Callable[[str], list[dict[str, Any]]] = parse_tool_calls,
+                 template_kwargs: dict[str, Any] | None = None):
         self.tokenizer, self.parser = tokenizer, parser
+        self.template_kwargs = dict(template_kwargs or {})   # TRL's chat_template_kwargs, for every rendering
         shared = {fn.__name__: fn for fn in tools}
         self.tools = [{**shared, **(environment_tools(environments[r]) if environments else {})}
                       for r in range(n_rows)]
@@ -138,9 +141,10 @@ class ToolSession:
         tok = self.tokenizer
         calls = [{"type": "function", "function": {"name": tool_messages[0]["name"], "arguments": {}}}]
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
-        prefix = tok.apply_chat_template(head, tokenize=True, add_generation_prompt=False, return_dict=False)
+        prefix = tok.apply_chat_template(head, tokenize=True, add_generation_prompt=False, return_dict=False,
+                                         **self.template_kwargs)
         full = tok.apply_chat_template(head + tool_messages, tokenize=True, add_generation_prompt=True,
-                                       return_dict=False)
+                                       return_dict=False, **self.template_kwargs)
         ends = [i for i, t in enumerate(prefix) if t == tok.eos_token_id]
         if ends:
             prefix = prefix[:ends[-1] + 1]
