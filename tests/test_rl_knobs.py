@@ -360,7 +360,7 @@ def test_an_8bit_adamw_run_keeps_8bit_moments_and_resumes_exactly(tmp_path):
     """``algo.optim=adamw_8bit`` on the bf16 recipe: bitsandbytes' AdamW8bit steps the fp32 masters, its moments of
     the tensors of 4096 elements or more are one byte each (smaller ones fp32); resumed from step 2's checkpoint
     (which loads as weights only), step 3 equals the uninterrupted run's, policy and masters bit for bit."""
-    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes", reason="the [bnb] extra (bitsandbytes) is not installed")
     from segki_lightning.rl.sizing import MIN_8BIT_SIZE
     from segki_lightning.train import run
 

@@ -126,7 +126,7 @@ def test_8bit_adamw_steps_cuda_masters_near_fp32_adamw():
     moments of a 4096-element tensor in one byte each), and after 20 steps from fresh random gradients the masters
     stay within 10 % (relative, of the largest move) of fp32 AdamW's trajectory: block-wise 8-bit moments round,
     they do not drift."""
-    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("bitsandbytes", reason="the [bnb] extra (bitsandbytes) is not installed")
     from segki_lightning.rl.optim import build_optimizer
 
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ())))
