@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -206,25 +207,33 @@ while True:
 
 def test_a_save_killed_mid_write_leaves_a_loadable_last_ckpt(tmp_path):
     """SIGKILL at random moments while a 20 MB checkpoint is saved over and over, with $TMPDIR on another folder:
-    last.ckpt always loads complete, nothing lands in $TMPDIR, and the next save removes the killed one's leftover."""
-    target, tmpdir = tmp_path / "ckpt" / "last.ckpt", tmp_path / "elsewhere"
+    last.ckpt always loads complete, nothing lands in $TMPDIR, and the next save removes the killed one's leftover.
+    Three runs, each saving into a folder of its own, started together (one start-up's wait, not three)."""
+    targets, tmpdir = [tmp_path / f"run{i}" / "last.ckpt" for i in range(3)], tmp_path / "elsewhere"
     tmpdir.mkdir()
-    atomic_save({"step": 0, "w": torch.zeros(5_000_000)}, target)
+    for target in targets:
+        atomic_save({"step": 0, "w": torch.zeros(5_000_000)}, target)
     env = {**os.environ, "TMPDIR": str(tmpdir), "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")])}
-    rng = random.Random(0)
-    for _ in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(target)], env=env, stdout=subprocess.PIPE,
-                                text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        threading.Event().wait(rng.uniform(0.2, 0.8))
-        proc.kill()
-        proc.wait()
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(t)], env=env, stdout=subprocess.PIPE, text=True)
+             for t in targets]
+    try:
+        assert all(p.stdout.readline().strip() == "ready" for p in procs)
+        rng, start = random.Random(0), time.monotonic()
+        for proc, at in zip(procs, sorted(rng.uniform(0.2, 0.8) for _ in procs)):   # kill times after the start
+            threading.Event().wait(max(0.0, at - (time.monotonic() - start)))
+            proc.kill()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    for target in targets:
         got = torch.load(target, weights_only=True)
         assert got["w"].shape == (5_000_000,) and bool((got["w"] == got["step"]).all())
     assert not list(tmpdir.iterdir())
-    atomic_save({"step": -1, "w": torch.zeros(1)}, target)
-    assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]
+    for target in targets:
+        atomic_save({"step": -1, "w": torch.zeros(1)}, target)
+        assert [p.name for p in target.parent.iterdir()] == ["last.ckpt"]
 
 
 def test_the_last_checkpoints_are_kept_and_a_resume_appends_metrics(tmp_path):
