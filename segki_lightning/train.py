@@ -137,8 +137,8 @@ def build_data(cfg, repeat: int = 1):
         raise ValueError(f"task.prompts_per_step={cfg.task.prompts_per_step} but the prompts have only {len(ds)} rows: "
                          "lower task.prompts_per_step or add prompts")
     gen = torch.Generator().manual_seed(cfg.task.seed)
-    return ResumableLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=True, drop_last=True, collate_fn=collate,
-                           generator=gen, repeat=repeat)
+    return ResumableLoader(ds, batch_size=cfg.task.prompts_per_step, shuffle=cfg.algo.shuffle_dataset, drop_last=True,
+                           collate_fn=collate, generator=gen, repeat=repeat)
 
 
 def build_loggers(cfg) -> Any:

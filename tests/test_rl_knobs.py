@@ -390,6 +390,36 @@ def test_an_8bit_adamw_run_keeps_8bit_moments_and_resumes_exactly(tmp_path):
     assert all(m.dtype == torch.float32 for m in moments if m.numel() < MIN_8BIT_SIZE)
 
 
+def test_disable_dropout_zeroes_every_dropout_of_the_policy_lora_included():
+    """TRL's ``disable_dropout``: every ``nn.Dropout`` of the policy at p = 0 (a LoRA policy's adapter dropout
+    too, so its rollouts take the fused path); off, they keep their p."""
+    from segki_lightning.rl import GRPOModule
+    from segki_lightning.rl.lora import apply_lora
+    from segki_lightning.rl.model import tiny_qwen35
+    from segki_lightning.rl.rewards import FormatRegex
+    from segki_lightning.rl.task import char_tokenizer
+
+    tok = char_tokenizer()
+    for off in (False, True):
+        peft = apply_lora(tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id), r=2, lora_alpha=4,
+                          lora_dropout=0.1)
+        GRPOModule(peft, tok, [FormatRegex()], GRPOConfig(num_generations=2, disable_dropout=off))
+        drops = [m for m in peft.modules() if isinstance(m, torch.nn.Dropout)]
+        assert drops and all(m.p == (0.0 if off else 0.1) for m in drops)
+
+
+def test_shuffle_dataset_false_hands_out_the_recipes_prompts_in_order(tmp_path):
+    from segki_lightning.train import build_data
+
+    from .test_lightning import small
+
+    for shuffle in (True, False):
+        loader = build_data(small(tmp_path, f"algo.shuffle_dataset={str(shuffle).lower()}"))
+        first = [b["prompt"] for b, _ in zip(loader, range(3))]
+        in_order = [[loader.dataset[i]["prompt"] for i in range(j * 2, j * 2 + 2)] for j in range(3)]
+        assert (first == in_order) is not shuffle
+
+
 def test_log_completions_prints_a_table_and_keeps_num_completions_to_print(tmp_path, capsys):
     import json
 

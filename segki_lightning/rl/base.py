@@ -79,6 +79,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if self.peft_model is not None:   # compute on the transformers model inside (its layers carry the adapters)
             policy = policy.get_base_model()
         self.policy, self.tokenizer, self.cfg = policy, tokenizer, cfg
+        if cfg.disable_dropout:   # TRL's disable_dropout_in_model: LoRA's dropout too
+            for m in policy.modules():
+                if isinstance(m, nn.Dropout):
+                    m.p = 0.0
         # TRL's tools and environment_factory (:mod:`.tools`): multi-turn rollouts when either is given
         self.tools, self.environment_factory = list(tools), environment_factory
         self.tool_call_parser = tool_call_parser or parse_tool_calls

@@ -85,6 +85,8 @@ class RLConfig:
     importance_sampling_mode: str = "token_truncate"
     importance_sampling_clip_max: float = 3.0
     importance_sampling_clip_min: float | None = None
+    disable_dropout: bool = False    # TRL's: every nn.Dropout of the policy (and so of its reference) at p = 0
+    shuffle_dataset: bool = True     # TRL's: the recipe's prompt loader shuffles (segki-train's; yours is yours)
     log_completions_every: int = 50
     log_completions: bool = False
     num_generations_eval: int | None = None
