@@ -26,8 +26,8 @@ def informative_groups(rewards: Tensor, group: int) -> Tensor:
 
 def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
     """One ``Scored`` of the groups ``idx`` of each ``(scored, idx)`` part, in that order: rows re-stacked (prompts
-    left-padded to the longest), rewards (total and per function), texts and prompts with them; reward means weighted by rows; timings
-    and token counts summed over the parts' rollouts."""
+    left-padded to the longest), rewards (total and per function), texts and prompts with them; reward means
+    weighted by rows; timings and token counts summed over the parts' rollouts."""
     rows = [torch.cat([torch.arange(g * group, (g + 1) * group) for g in idx.tolist()]) if len(idx)
             else torch.zeros(0, dtype=torch.long) for _, idx in parts]
     width = max(s.batch.prompt_ids.shape[1] for s, _ in parts)
