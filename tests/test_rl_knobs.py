@@ -390,6 +390,16 @@ def test_an_8bit_adamw_run_keeps_8bit_moments_and_resumes_exactly(tmp_path):
     assert all(m.dtype == torch.float32 for m in moments if m.numel() < MIN_8BIT_SIZE)
 
 
+def test_scale_rewards_takes_trls_booleans():
+    from .test_lightning import small
+
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+    assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.to_object(small(".", "algo.scale_rewards=false").algo).scale_rewards == "none"
+
+
 def test_disable_dropout_zeroes_every_dropout_of_the_policy_lora_included():
     """TRL's ``disable_dropout``: every ``nn.Dropout`` of the policy at p = 0 (a LoRA policy's adapter dropout
     too, so its rollouts take the fused path); off, they keep their p."""

@@ -227,8 +227,12 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"delta (two-sided clipping bound) must be > 1, got {self.delta}")
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        # TRL's booleans: True is "group", False is "none" (Hydra hands a str field `true`/`false` as text)
+        self.scale_rewards = {True: "group", False: "none", "true": "group", "false": "none", "True": "group",
+                              "False": "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.scale_rewards not in SCALES:
-            raise ValueError(f"scale_rewards must be one of {SCALES}, got {self.scale_rewards!r}")
+            raise ValueError(f"scale_rewards must be one of {SCALES} (or TRL's true / false for group / none), got "
+                             f"{self.scale_rewards!r}")
         if self.multi_objective_aggregation not in AGGREGATIONS:
             raise ValueError(f"multi_objective_aggregation must be one of {AGGREGATIONS}, got "
                              f"{self.multi_objective_aggregation!r}")
