@@ -249,3 +249,17 @@ def test_the_flop_count_leaves_out_the_frozen_base_weight_gradients(tmp_path):
     assert lora.frozen_head == lora.head > 0   # the output head is not among all-linear's targets
     want = 3 * lora.forward(lengths, scored) - 2 * base * sum(lengths) - 2 * lora.head * scored
     assert lora.training(lengths, scored) == want
+
+
+def test_an_8bit_adamw_lora_run_trains_only_the_adapters(tmp_path):
+    """``algo.optim=adamw_8bit`` with LoRA: bitsandbytes' optimizer steps the fp32 adapters directly (no masters),
+    their moments 8-bit where an adapter has 4096 elements or more; the base stays as it was."""
+    pytest.importorskip("bitsandbytes", reason="the [bnb] extra (bitsandbytes) is not installed")
+    run(small(tmp_path, "lora.r=64", "algo.optim=adamw_8bit", "algo.learning_rate=0.05", "trainer.max_steps=2",
+              "checkpoint.every_n_train_steps=1", "checkpoint.save_top_k=-1", "algo.num_generations=4", REWARD))
+    first = torch.load(tmp_path / "checkpoints" / "step-000001.ckpt", weights_only=True)
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    changed = [k for k, v in last["state_dict"].items() if not torch.equal(first["state_dict"][k], v)]
+    assert changed and all("lora_" in k for k in changed), changed
+    states = [s.get("__bnb_optimizer_quant_state__", s) for s in last["optimizer_states"][0]["state"].values()]
+    assert any(s["state1"].dtype == torch.uint8 for s in states)
