@@ -267,7 +267,8 @@ def main() -> None:
                              tokens=case.tokens, micro_batch=case.micro_batch or 8 * case.prompts,
                              params_b=round(params[case.shape] / 1e9, 2), returncode=rc, wall_s=round(wall, 1),
                              device=device,
-                             train_fused=train_fused.enabled())
+                             train_fused=train_fused.enabled(),
+                             **({"overrides": " ".join(args.overrides)} if args.overrides else {}))
                     if rc == 0:
                         r.update(summarize(run_dir, min(args.warm, args.steps[mode] - 1), params[case.shape], devices))
                     else:
