@@ -57,12 +57,15 @@ def test_missing_column_names_the_column_and_what_exists():
         score(as_rewards([ExactMatch()]), ["p"], ["3"], {"solution": ["3"]})
 
 
-def test_bad_reward_lists_are_refused():
+def test_bad_reward_lists_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="at least one"):
         as_rewards([])
     with pytest.raises(ValueError, match="reward_weights has 1 values for 2"):
         as_rewards([correct, correct], [1.0])
     with pytest.raises(TypeError, match="not a callable"):
+        as_rewards([3])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # a string is a reward model's id (TRL's): never reach the Hub here
+    with pytest.raises(FileNotFoundError, match="reward 0: RewardModel model=correct .* give a reward function as"):
         as_rewards(["correct"])
 
 

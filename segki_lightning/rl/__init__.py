@@ -6,8 +6,9 @@ from .grpo import GRPOModule
 from .losses import Totals, grpo_loss, ppo_loss
 from .optim import MasterWeightOptimizer
 from .ppo import PPOModule
+from .reward_model import RewardModel
 from .rewards import ExactMatch, FormatRegex, LengthPenalty, WeightedReward
 
 __all__ = ["ExactMatch", "FormatRegex", "GRPOConfig", "GRPOModule", "LengthPenalty", "MasterWeightOptimizer",
-           "PPOConfig", "PPOModule", "RLConfig", "Totals", "WeightedReward", "gae", "group_advantages", "grpo_loss",
+           "PPOConfig", "PPOModule", "RLConfig", "RewardModel", "Totals", "WeightedReward", "gae", "group_advantages", "grpo_loss",
            "masked_whiten", "ppo_loss"]

@@ -29,6 +29,7 @@ from .logprobs import TokenScores, completion_logprobs, packs
 from .lora import is_peft
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
+from .reward_model import RewardModel
 from .rewards import RewardFn, WeightedReward, as_rewards, reward_table, summarize
 from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
@@ -100,6 +101,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
             self.rewards = [env_reward]
         else:
             self.rewards = as_rewards(rewards, cfg.reward_weights) + ([env_reward] if env_reward else [])
+        for r in self.rewards:   # a reward model renders conversations with the run's template kwargs (TRL's)
+            if isinstance(r.fn, RewardModel) and r.fn.chat_template_kwargs is None:
+                r.fn.chat_template_kwargs = dict(self.chat_template_kwargs)
         self.eos_token_id = tokenizer.eos_token_id
         self.pad_token_id = tokenizer.pad_token_id
         self._step_started = 0.0
@@ -453,6 +457,9 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         else:
             completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         extra = {"environments": envs} if envs is not None else {}
+        for r in self.rewards:   # reward models score where the module runs
+            if isinstance(r.fn, RewardModel) and r.fn.device != self.device:
+                r.fn.to(self.device)
         table = reward_table(self.rewards, prompts, completions, columns, completion_ids=completion_token_ids(
             ro.completion_ids, ro.completion_mask), **extra)
         total, means = summarize(self.rewards, table)

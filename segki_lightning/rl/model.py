@@ -69,9 +69,11 @@ def hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
+def resolve_checkpoint(name_or_path: str, revision: str | None = None, setting: str = "model.pretrained",
+                       revision_setting: str = "model.revision") -> str:
     """A local folder as it is; else a Hub model id's snapshot folder in the Hub cache (fetched when missing, unless
-    offline: ``HF_HUB_OFFLINE=1``). Either way one clear error naming ``model.pretrained`` when it is neither."""
+    offline: ``HF_HUB_OFFLINE=1``). Either way one clear error naming ``setting`` (and ``revision_setting``) when it
+    is neither."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError
 
@@ -82,10 +84,10 @@ def resolve_checkpoint(name_or_path: str, revision: str | None = None) -> str:
         return snapshot_download(name_or_path, revision=revision, allow_patterns=_CHECKPOINT_FILES,
                                  local_files_only=offline)
     except HFValidationError:
-        raise FileNotFoundError(f"model.pretrained={name_or_path} is neither a local folder nor a Hub model id "
+        raise FileNotFoundError(f"{setting}={name_or_path} is neither a local folder nor a Hub model id "
                                 "(org/name)") from None
     except Exception as err:   # not in the cache offline, no network, no such repository or revision
         where = "the local Hub cache (HF_HUB_OFFLINE=1)" if offline else "the Hub"
-        raise FileNotFoundError(f"model.pretrained={name_or_path}"
-                                f"{f' (model.revision={revision})' if revision else ''} is not a local folder and "
+        raise FileNotFoundError(f"{setting}={name_or_path}"
+                                f"{f' ({revision_setting}={revision})' if revision else ''} is not a local folder and "
                                 f"could not be had from {where}: {type(err).__name__}: {str(err)[:300]}") from None

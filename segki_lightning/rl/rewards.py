@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from .nonfinite import check_rewards
 
 log = logging.getLogger("segki_lightning")
@@ -183,8 +185,10 @@ def reward_name(fn: Any) -> str:
 
 def as_rewards(funcs: Sequence[RewardFn | WeightedReward], weights: Sequence[float] | None = None
                ) -> list[WeightedReward]:
-    """Reward functions (TRL's form, ``f(prompts, completions, **kwargs) -> list[float | None]``) or
-    :class:`WeightedReward` objects, with TRL's ``reward_weights`` (default 1.0 each) applied to the plain ones."""
+    """Reward functions (TRL's form, ``f(prompts, completions, **kwargs) -> list[float | None]``),
+    :class:`WeightedReward` objects, or reward models (a Hub id, a folder or a loaded sequence-classification model:
+    :class:`~segki_lightning.rl.reward_model.RewardModel`), with TRL's ``reward_weights`` (default 1.0 each) applied
+    to all but the weighted ones."""
     funcs = list(funcs)
     if not funcs:
         raise ValueError("at least one reward function is needed")
@@ -192,6 +196,14 @@ def as_rewards(funcs: Sequence[RewardFn | WeightedReward], weights: Sequence[flo
         raise ValueError(f"reward_weights has {len(weights)} values for {len(funcs)} reward functions")
     out = []
     for i, f in enumerate(funcs):
+        if isinstance(f, (str, nn.Module)):   # TRL's: a reward model by Hub id / folder, or loaded
+            from .reward_model import RewardModel
+
+            try:
+                f = RewardModel(f)
+            except FileNotFoundError as err:
+                raise FileNotFoundError(f"reward {i}: {err}. A string among the rewards is a reward model's Hub id "
+                                        "or folder, as in TRL: give a reward function as the function itself") from None
         if isinstance(f, WeightedReward):
             out.append(f if weights is None else WeightedReward(f.fn, float(weights[i]), f.name))
         elif callable(f):
