@@ -109,3 +109,38 @@ def test_numbers_of_other_types_and_none_are_taken():
     total, means = score(as_rewards([lambda p, c, **k: [np.float32(0.5), torch.tensor(2.0), True, None]]),
                          ["p"] * 4, ["a"] * 4, {})
     assert total == [0.5, 2.0, 1.0, 0.0]
+
+
+def test_async_reward_functions_run_together_beside_the_plain_ones():
+    """``async def`` rewards (TRL's) are awaited together: the first waits for an event only the second sets, so run
+    one after the other they would time out; their values land in their own places among the plain ones', also
+    when the caller runs an event loop of its own."""
+    import asyncio
+
+    from segki_lightning.rl.rewards import reward_table
+
+    state: dict = {}
+
+    async def waits(prompts, completions, **kwargs):
+        state.setdefault("ev", asyncio.Event())
+        await asyncio.wait_for(state["ev"].wait(), timeout=10)
+        return [1.0] * len(completions)
+
+    class Sets:
+        async def __call__(self, prompts, completions, **kwargs):
+            state.setdefault("ev", asyncio.Event()).set()
+            return [None, 2.0]
+
+    def plain(prompts, completions, **kwargs):
+        return [3.0, 4.0]
+
+    rewards = as_rewards([waits, plain, functools.partial(Sets()), correct])
+    table = reward_table(rewards, ["p", "p"], ["1", "2"], {"answer": ["1", "3"]})
+    assert table[0] == [1.0, 1.0] and table[1] == [3.0, 4.0] and math.isnan(table[2][0]) and table[2][1] == 2.0
+    assert table[3] == [1.0, 0.0]
+    state.clear()
+
+    async def inside_a_loop():   # a caller with a running loop (a notebook) still gets the values
+        return reward_table(rewards, ["p", "p"], ["1", "2"], {"answer": ["1", "3"]})
+
+    assert asyncio.run(inside_a_loop())[:2] == table[:2]

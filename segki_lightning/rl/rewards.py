@@ -6,10 +6,13 @@ means "does not apply to this completion" and is left out of the weighted sum an
 """
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,16 +236,45 @@ def _numbers(label: str, values: Sequence[Any]) -> list[float]:
     return out
 
 
+def is_async(fn: Any) -> bool:
+    """An ``async def`` reward function (or an object whose ``__call__`` is one, or a partial of either)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop on a thread of its own for the async reward functions of every step (TRL's): a client they
+    keep between calls stays on its loop, and it runs under a caller that has a loop of its own (a notebook)."""
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, name="segki-async-rewards", daemon=True).start()
+    return _LOOP
+
+
 def reward_table(rewards: Sequence[WeightedReward], prompts: Sequence[Any], completions: Sequence[Any],
                  columns: dict[str, list], **extra: Any) -> list[list[float]]:
     """Each reward function's values, ``[F][N]`` floats with ``None`` (the function does not apply to that row) as
     NaN, checked as TRL's contract asks: one float or ``None`` per completion; +-inf raises
     :class:`~segki_lightning.rl.nonfinite.NonFiniteError`. ``extra`` (e.g. ``completion_ids``) is passed by keyword
-    next to the dataset's columns."""
+    next to the dataset's columns. The ``async def`` functions run together (``asyncio.gather``, as TRL runs them)
+    after the others, one after another."""
     n = len(completions)
+    args, kwargs = (prompts, completions), {**extra, **columns}
+    outputs: dict[int, Any] = {i: r.fn(*args, **kwargs) for i, r in enumerate(rewards) if not is_async(r.fn)}
+    waiting = [i for i, r in enumerate(rewards) if is_async(r.fn)]
+    if waiting:
+        async def together():
+            return await asyncio.gather(*(rewards[i].fn(*args, **kwargs) for i in waiting))
+
+        outputs.update(zip(waiting, asyncio.run_coroutine_threadsafe(together(), _event_loop()).result()))
     table = []
-    for r in rewards:
-        values = r.fn(prompts, completions, **extra, **columns)
+    for i, r in enumerate(rewards):
+        values = outputs[i]
         if values is None or len(values) != n:
             got = "None" if values is None else f"{len(values)} values"
             raise ValueError(f"reward {r.label} returned {got} for {n} completions: return one float (or None) "
