@@ -18,14 +18,17 @@ REWARD = "rewards.0.fn.pattern='.*[a-m].*'"
 
 
 def scored(rewards: list[float], prompt_width: int, tag: str, group: int = 2) -> Scored:
+    from segki_lightning.rl.rewards import RewardLogs
+
     n = len(rewards)
+    logs = RewardLogs({"judged": [float(n)]}, {"note": [f"{tag}{i}" for i in range(n)]})
     pm = torch.zeros(n, prompt_width, dtype=torch.long)
     pm[:, -1] = 1
     return Scored(RolloutBatch(prompt_ids=torch.full((n, prompt_width), 7) * pm, prompt_mask=pm,
                                completion_ids=torch.arange(n)[:, None].repeat(1, 3), completion_mask=torch.ones(n, 3),
                                logprobs=torch.zeros(n, 3), prompt_index=torch.arange(n) // group),
                   [f"{tag}{i // group}" for i in range(n)], [f"{tag}{i}" for i in range(n)],
-                  torch.tensor(rewards), {"r": sum(rewards) / n}, 1.0)
+                  torch.tensor(rewards), {"r": sum(rewards) / n}, 1.0, reward_logs=logs)
 
 
 def test_informative_groups_first_then_fillers():
@@ -35,6 +38,7 @@ def test_informative_groups_first_then_fillers():
     s, m = fill([first, second], 2, 2, pad_token_id=0)
     assert s.prompts == ["a1", "a1", "b1", "b1"] and s.texts == ["a2", "a3", "b2", "b3"]
     assert s.rewards.tolist() == [0.0, 1.0, 3.0, 1.0] and s.rollout_s == 2.0
+    assert s.reward_logs.columns == {"note": s.texts} and s.reward_logs.metrics == {"judged": [4.0, 6.0]}
     assert s.batch.prompt_ids.shape == (4, 3) and s.batch.prompt_mask[:2].tolist() == [[0, 0, 1], [0, 0, 1]]
     assert s.batch.prompt_index.tolist() == [0, 0, 1, 1]
     assert m == {"rollout/dynamic_sampling/generation_batches": 2.0, "rollout/dynamic_sampling/informative_groups": 3.0,

@@ -5,6 +5,7 @@ get_soft_overlong_punishment; verl's REINFORCE++-baseline with its masked_whiten
 from __future__ import annotations
 
 import copy
+import csv
 import math
 
 import pytest
@@ -457,6 +458,50 @@ def test_a_wandb_logger_gets_the_completions_table():
     write_completions([w], rows, 3)
     assert w.got == ("completions", ["step", "prompt", "completion", "reward"], [[3, "1+2=", "3\nok", 1.0]], 3)
     assert "3\\nok" in completions_table(rows) and "1.000" in completions_table(rows)
+    rows[0]["judge"] = "fine"   # a column a reward function added (TRL's log_extra)
+    write_completions([w], rows, 3)
+    assert w.got[1][-1] == "judge" and w.got[2][0][-1] == "fine" and "judge" in completions_table(rows)
+
+    class Board:   # TensorBoardLogger: its experiment's add_text
+        def __init__(self):
+            self.experiment = self
+
+        def add_text(self, tag, text, step):
+            self.got = (tag, text, step)
+
+    b = Board()
+    write_completions([b], rows, 3)
+    assert b.got == ("completions", "| prompt | completion | reward | judge |\n|---|---|---|---|\n"
+                                    "| 1+2= | 3\nok | 1.00 | fine |", 3)
+
+
+SEEN_STATES: list = []
+
+
+def progress_reward(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A reward that reads TRL's ``trainer_state`` and logs through ``log_metric`` / ``log_extra``."""
+    SEEN_STATES.append((trainer_state.global_step, trainer_state.max_steps))
+    log_metric("length_seen", float(sum(len(c) for c in completions)) / len(completions))
+    log_extra("chars", [len(c) for c in completions])
+    return [trainer_state.global_step / trainer_state.max_steps] * len(completions)
+
+
+def test_rewards_get_trls_trainer_state_and_log_metrics_and_columns(tmp_path):
+    import json
+
+    from segki_lightning.train import run
+
+    from .test_lightning import small
+
+    SEEN_STATES.clear()
+    run(small(tmp_path, "rewards=[tests.test_rl_knobs.progress_reward]", "algo.reward_weights=null",
+              "trainer.max_steps=3", "algo.log_completions_every=1"))
+    assert SEEN_STATES == [(0, 3), (1, 3), (2, 3)]
+    rows = list(csv.DictReader(open(tmp_path / "logs" / "metrics.csv")))
+    seen = [float(r["train/length_seen"]) for r in rows if r.get("train/length_seen")]
+    assert len(seen) == 3 and all(v >= 0 for v in seen)
+    table = [json.loads(line) for line in open(tmp_path / "logs" / "completions.jsonl")]
+    assert table and all(r["chars"] == len(r["completion"]) for r in table)
 
 
 @pytest.mark.parametrize("n_eval, want", [(None, (1, True)), (3, (3, False))])

@@ -30,7 +30,7 @@ from .lora import is_peft
 from .losses import Totals
 from .optim import build_optimizer, build_scheduler
 from .reward_model import RewardModel
-from .rewards import RewardFn, WeightedReward, as_rewards, reward_table, summarize
+from .rewards import RewardFn, RewardLogs, TrainerState, WeightedReward, as_rewards, reward_table, summarize
 from .metrics import completions_table, write_completions
 from .nonfinite import NonFiniteError, check
 from .task import check_batch, completion_token_ids, cut_at_stop_strings, decode
@@ -62,6 +62,7 @@ class Scored:
     rollout_s: float
     tools: dict[str, float] | None = None   # multi-turn rollouts: tool-call metrics by name
     per_function: Tensor | None = None      # [N, F] fp32 each reward function's value, NaN where it does not apply
+    reward_logs: RewardLogs | None = None   # what the reward functions logged (TRL's log_metric / log_extra)
 
 
 def row_lengths(ro: RolloutBatch, rows: Tensor) -> Tensor:
@@ -219,6 +220,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.log("val/reward", s.rewards.mean(), prog_bar=True, **kw)
         for name, v in s.means.items():
             self.log(f"val/rewards/{name}", v, **kw)
+        self.log_reward_metrics(s, "val", **kw)
         self.log("val/completion_length", s.batch.completion_mask.sum(1).float().mean(), **kw)
 
     @torch.no_grad()
@@ -457,6 +459,10 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         else:
             completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
         extra = {"environments": envs} if envs is not None else {}
+        logs = RewardLogs()   # TRL's keywords besides the columns: progress, and two ways to log from a reward
+        extra.update(trainer_state=TrainerState(self.global_step, self.trainer.max_steps if self._trainer else -1,
+                                                self.current_epoch),
+                     log_metric=logs.log_metric, log_extra=logs.log_extra)
         for r in self.rewards:   # reward models score where the module runs
             if isinstance(r.fn, RewardModel) and r.fn.device != self.device:
                 r.fn.to(self.device)
@@ -468,7 +474,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         tools = None if session is None else {"tools/call_frequency": session.calls / len(ro),
                                               "tools/failure_frequency": session.failures / max(session.calls, 1),
                                               "time/rollout_tools_s": session.tool_s}
-        return Scored(ro, prompts, texts, rewards, means, rollout_s, tools, per_function)
+        return Scored(ro, prompts, texts, rewards, means, rollout_s, tools, per_function, logs)
 
     def environment_pool(self, rows: int) -> list:
         """``rows`` environments: those built for earlier rollouts, and new ones from the factory past them
@@ -505,6 +511,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         self.log("train/reward_std", s.rewards.std() if len(s.rewards) > 1 else torch.zeros(()), **kw)
         for name, v in s.means.items():
             self.log(f"train/rewards/{name}", v, **kw)
+        self.log_reward_metrics(s, "train", **kw)
         self.log("train/completion_length", s.batch.model_mask.sum(1).float().mean(), **kw)
         if s.batch.turns is not None:   # multi-turn: turns, tool calls (TRL's names), appended tokens
             st = s.batch.stats
@@ -524,11 +531,18 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         every = getattr(self.cfg, "log_completions_every", 0)
         if every and self.global_step % every == 0 and self.global_rank == 0:
             keep = self.cfg.num_completions_to_print   # TRL's: None keeps them all
-            rows = [dict(step=self.global_step, prompt=p, completion=c, reward=float(r))
-                    for p, c, r in list(zip(s.prompts, s.texts, s.rewards.tolist()))[:keep]]
+            extra = s.reward_logs.columns if s.reward_logs is not None else {}
+            rows = [dict(step=self.global_step, prompt=p, completion=c, reward=float(r),
+                         **{k: v[i] for k, v in extra.items() if i < len(v)})
+                    for i, (p, c, r) in enumerate(list(zip(s.prompts, s.texts, s.rewards.tolist()))[:keep])]
             write_completions(self.loggers, rows, self.global_step)
             if self.cfg.log_completions:
                 print(completions_table(rows), flush=True)
+
+    def log_reward_metrics(self, s: Scored, prefix: str, **kw: Any) -> None:
+        """The scalars the reward functions logged with ``log_metric``: their mean, as ``<prefix>/<name>``."""
+        for name, values in (s.reward_logs.metrics if s.reward_logs is not None else {}).items():
+            self.log(f"{prefix}/{name}", sum(values) / len(values), **kw)
 
     def log_step(self, loss: Tensor, stats: dict[str, Tensor], n_prompts: int) -> None:
         """Metrics of every optimizer step: the loss and the loss's stats (``train/...``, or as named)."""

@@ -26,8 +26,8 @@ def informative_groups(rewards: Tensor, group: int) -> Tensor:
 
 def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
     """One ``Scored`` of the groups ``idx`` of each ``(scored, idx)`` part, in that order: rows re-stacked (prompts
-    left-padded to the longest), rewards (total and per function), texts and prompts with them; reward means
-    weighted by rows; timings and token counts summed over the parts' rollouts."""
+    left-padded to the longest), rewards (total and per function), texts, prompts and the reward functions' logged
+    columns with them; reward means weighted by rows; timings and token counts summed over the parts' rollouts."""
     rows = [torch.cat([torch.arange(g * group, (g + 1) * group) for g in idx.tolist()]) if len(idx)
             else torch.zeros(0, dtype=torch.long) for _, idx in parts]
     width = max(s.batch.prompt_ids.shape[1] for s, _ in parts)
@@ -60,7 +60,22 @@ def take_groups(parts: list[tuple[Any, Tensor]], group: int, pad_token_id: int):
                    texts=[s.texts[i] for (s, _), r in zip(parts, rows) for i in r.tolist()],
                    rewards=torch.cat([s.rewards[r.to(s.rewards.device)] for (s, _), r in zip(parts, rows)]),
                    per_function=None if first.per_function is None else
-                   torch.cat([s.per_function[r.to(s.per_function.device)] for (s, _), r in zip(parts, rows)]))
+                   torch.cat([s.per_function[r.to(s.per_function.device)] for (s, _), r in zip(parts, rows)]),
+                   reward_logs=None if first.reward_logs is None else _reward_logs(parts, rows))
+
+
+def _reward_logs(parts: list[tuple[Any, Tensor]], rows: list[Tensor]):
+    """The reward functions' logs of the groups taken: every rollout's scalars, and each added column's values of
+    the rows taken (in their order)."""
+    from .rewards import RewardLogs
+
+    logs = RewardLogs()
+    for (s, _), r in zip(parts, rows):
+        for name, values in s.reward_logs.metrics.items():
+            logs.metrics.setdefault(name, []).extend(values)
+        for column, values in s.reward_logs.columns.items():
+            logs.columns.setdefault(column, []).extend(values[i] for i in r.tolist() if i < len(values))
+    return logs
 
 
 def fill(scored: list, want: int, group: int, pad_token_id: int) -> tuple[Any, dict[str, float]]:

@@ -8,16 +8,26 @@ from pathlib import Path
 COLUMNS = ("step", "prompt", "completion", "reward")
 
 
+def columns_of(rows: list[dict]) -> list[str]:
+    """The table's columns: ``COLUMNS``, then those the reward functions added (TRL's ``log_extra``)."""
+    return list(COLUMNS) + [k for k in (rows[0] if rows else {}) if k not in COLUMNS]
+
+
 def write_completions(loggers: list, rows: list[dict], step: int) -> None:
-    """``rows`` (``step``, ``prompt``, ``completion``, ``reward``) to every logger that can hold them."""
+    """``rows`` (``step``, ``prompt``, ``completion``, ``reward`` and any added columns) to every logger that can
+    hold them."""
+    cols = columns_of(rows)
     for logger in loggers:
         exp = getattr(logger, "experiment", None)
         if hasattr(logger, "log_table"):   # W&B (TRL's completions table)
-            logger.log_table(key="completions", columns=list(COLUMNS),
-                             data=[[r["step"], str(r["prompt"]), r["completion"], r["reward"]] for r in rows], step=step)
+            logger.log_table(key="completions", columns=cols,
+                             data=[[str(r["prompt"]) if c == "prompt" else r.get(c) for c in cols] for r in rows],
+                             step=step)
         elif hasattr(exp, "add_text"):
-            table = "\n".join(f"| {r['prompt']} | {r['completion']} | {r['reward']:.2f} |" for r in rows)
-            exp.add_text("completions", "| prompt | completion | reward |\n|---|---|---|\n" + table, step)
+            shown = cols[1:]   # the step is the text's own
+            fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else str(v)   # noqa: E731
+            table = "\n".join("| " + " | ".join(fmt(r.get(c)) for c in shown) + " |" for r in rows)
+            exp.add_text("completions", "| " + " | ".join(shown) + " |\n|" + "---|" * len(shown) + "\n" + table, step)
         elif getattr(logger, "log_dir", None):
             path = Path(logger.log_dir) / "completions.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -33,7 +43,8 @@ def completions_table(rows: list[dict], width: int = 60) -> str:
         text = text.replace("\n", "\\n")
         return text if len(text) <= width else text[:width - 3] + "..."
 
-    table = [list(COLUMNS)] + [[cell(r[c]) for c in COLUMNS] for r in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
+    cols = columns_of(rows)
+    table = [cols] + [[cell(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(cols))]
     fmt = lambda line: " | ".join(v.ljust(w) for v, w in zip(line, widths))   # noqa: E731
     return "\n".join([fmt(table[0]), "-+-".join("-" * w for w in widths), *map(fmt, table[1:])])

@@ -14,7 +14,7 @@ import math
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -176,6 +176,32 @@ class WeightedReward:
     @property
     def label(self) -> str:
         return self.name or reward_name(self.fn)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What TRL's reward functions read from its ``trainer_state`` keyword: the optimizer steps done, the run's
+    ``max_steps`` (-1: none set) and the epoch -- for rewards shaped by training progress."""
+
+    global_step: int
+    max_steps: int
+    epoch: int
+
+
+@dataclass
+class RewardLogs:
+    """What reward functions hand back through TRL's ``log_metric(name, value)`` (scalars, averaged per rollout and
+    logged as ``train/<name>`` or ``val/<name>``) and ``log_extra(column, values)`` (a column of the completions
+    table, one value per completion)."""
+
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    columns: dict[str, list] = field(default_factory=dict)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        self.columns.setdefault(column, []).extend(values)
 
 
 def reward_name(fn: Any) -> str:
