@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from segki_lightning.rl import GRPOConfig
+from segki_lightning.rl import GRPOConfig, PPOConfig
 from segki_lightning.rl.advantages import reinforce_pp_advantages, rloo_advantages
 from segki_lightning.rl.grpo import mix_into
 from segki_lightning.rl.losses import Totals, entropy_bonus, grpo_loss
@@ -399,6 +399,44 @@ def test_scale_rewards_takes_trls_booleans():
     from omegaconf import OmegaConf
 
     assert OmegaConf.to_object(small(".", "algo.scale_rewards=false").algo).scale_rewards == "none"
+
+
+def trl_masked_whiten(values, mask, shift_mean=True):   # TRL's PPOTrainer (masked_mean / masked_var, unbiased)
+    mean = (values * mask).sum() / mask.sum()
+    variance = ((values - mean) ** 2 * mask).sum() / mask.sum()
+    variance = variance * (mask.sum() / (mask.sum() - 1))
+    whitened = (values - mean) * torch.rsqrt(variance + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def test_ppo_kl_estimator_missing_eos_penalty_and_whiten_rewards_follow_trl():
+    """TRL's PPO knobs: the k3 KL estimate per token, the penalty on the score of a completion with no EOS, the
+    token rewards whitened with their mean kept (TRL's masked_whiten, unbiased) before GAE; the advantages the
+    module keeps equal that construction, and whitening equals TRL's on fresh random inputs."""
+    from segki_lightning.rl.advantages import gae, masked_whiten
+
+    from .test_training import module
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, ())))
+    x, m = torch.randn(5, 7, generator=gen), (torch.rand(5, 7, generator=gen) < 0.7).float()
+    for shift in (True, False):
+        assert torch.allclose(masked_whiten(x, m, shift), trl_masked_whiten(x, m, shift), atol=1e-6)
+
+    ppo = module("ppo", kl_coef=0.1, kl_estimator="k3", missing_eos_penalty=0.7, whiten_rewards=True,
+                 whiten_advantages=False)
+    buf = ppo.prepare({"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]})
+    ro, d = buf.scored.batch, buf.data
+    logr = ppo.reference_logp(ro) - d["old_logp"]
+    mask = ro.completion_mask
+    scores = buf.scored.rewards - 0.7 * (~(ro.completion_ids == ppo.eos_token_id).any(1)).float()
+    rewards = -0.1 * ((logr.exp() - 1) - logr)
+    last = mask.sum(1) - 1
+    rewards[torch.arange(len(last)), last] += scores
+    rewards = trl_masked_whiten(rewards, mask.float(), shift_mean=False) * mask
+    adv, _ = gae(rewards, d["old_values"], mask, ppo.cfg.gamma, ppo.cfg.lam)
+    assert torch.allclose(d["adv"], adv, atol=1e-6)
+    with pytest.raises(ValueError, match="kl_estimator must be k1 or k3"):
+        PPOConfig(kl_estimator="k2")
 
 
 def test_disable_dropout_zeroes_every_dropout_of_the_policy_lora_included():

@@ -84,12 +84,15 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return ((entropy >= threshold) & mask.bool()).float()
 
 
-def masked_whiten(x: Tensor, mask: Tensor) -> Tensor:
-    """``(x - mean) / std`` over the tokens where ``mask`` is 1."""
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """``(x - mean) / std`` over the tokens where ``mask`` is 1 (TRL's PPO: the variance with Bessel's correction,
+    ``+1e-8`` under the root); ``shift_mean=False`` adds the mean back (TRL's ``whiten_rewards``)."""
     m = mask.float()
-    mean = (x * m).sum() / m.sum().clamp_min(1)
-    var = (((x - mean) ** 2) * m).sum() / m.sum().clamp_min(1)
-    return (x - mean) * torch.rsqrt(var + 1e-8)
+    n = m.sum().clamp_min(1)
+    mean = (x * m).sum() / n
+    var = (((x - mean) ** 2) * m).sum() / n * (n / (n - 1).clamp_min(1))
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    return out if shift_mean else out + mean
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:

@@ -282,6 +282,9 @@ class PPOConfig(RLConfig):
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     kl_coef: float = 0.05
+    kl_estimator: str = "k1"                  # TRL's: k1 = log(p / ref), k3 = ref / p - 1 - log(ref / p)
+    missing_eos_penalty: float | None = None  # TRL's: subtracted from the score of a completion that did not end
+    whiten_rewards: bool = False              # TRL's: the token rewards whitened (their mean kept) before GAE
     whiten_advantages: bool = True
 
     @property
@@ -293,5 +296,9 @@ class PPOConfig(RLConfig):
         if self.num_ppo_epochs < 1 or self.num_mini_batches < 1:
             raise ValueError(f"num_ppo_epochs and num_mini_batches must be >= 1, got {self.num_ppo_epochs}, "
                              f"{self.num_mini_batches}")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"kl_estimator must be k1 or k3 (TRL's), got {self.kl_estimator!r}")
+        if self.missing_eos_penalty is not None and self.missing_eos_penalty < 0:
+            raise ValueError(f"missing_eos_penalty must be >= 0 (or null: off), got {self.missing_eos_penalty}")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")

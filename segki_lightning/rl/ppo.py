@@ -49,10 +49,19 @@ class PPOModule(RLModule):
         mask = ro.completion_mask
         old = self.old_scores(ro, self.value_head)                                        # [N, T] each
         ref = self.reference_logp(ro) if self.has_reference else old.logp
-        kl = old.logp - ref
+        logr = ref - old.logp                                                             # [N, T]
+        kl = -logr if cfg.kl_estimator == "k1" else (logr.exp() - 1) - logr   # (TRL's form)
+        scores = s.rewards
+        if cfg.missing_eos_penalty is not None:   # a row ended by EOS or a stop string has ended
+            ended = (ro.completion_ids == self.eos_token_id).any(1)
+            if ro.stopped is not None:
+                ended = ended | ro.stopped
+            scores = scores - cfg.missing_eos_penalty * (~ended).to(scores.dtype)
         token_rewards = -cfg.kl_coef * kl
         last = (mask.sum(1) - 1).clamp_min(0)
-        token_rewards[torch.arange(len(last), device=last.device), last] += s.rewards
+        token_rewards[torch.arange(len(last), device=last.device), last] += scores
+        if cfg.whiten_rewards:
+            token_rewards = masked_whiten(token_rewards, mask, shift_mean=False) * mask
         adv, returns = gae(token_rewards, old.values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             adv = masked_whiten(adv, mask)
