@@ -148,3 +148,27 @@ def test_8bit_adamw_steps_cuda_masters_near_fp32_adamw():
     moved = (ref.weight - start).abs().max()
     assert moved > 1e-3 and (master - ref.weight).abs().max() <= 0.1 * moved
     assert torch.equal(net.weight, master.bfloat16())
+
+
+def test_a_reward_model_scores_on_the_modules_gpu(tmp_path):
+    """A reward model given by folder follows the module onto its GPU at the first rollout and scores there as it
+    does on the CPU (fp32, within 1e-4)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from segki_lightning.rl import GRPOConfig, GRPOModule, RewardModel
+    from segki_lightning.rl.model import tiny_qwen35
+    from segki_lightning.rl.task import char_tokenizer
+
+    tok = char_tokenizer()
+    cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=len(tok), pad_token_id=tok.pad_token_id, num_labels=1)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "scorer")
+    tok.save_pretrained(tmp_path / "scorer")
+    policy = tiny_qwen35(len(tok), tok.pad_token_id, tok.eos_token_id)
+    module = GRPOModule(policy, tok, [str(tmp_path / "scorer")], GRPOConfig(num_generations=2,
+                                                                           max_completion_length=4)).cuda()
+    s = module.rollout_and_score({"prompt": ["1+2=", "3+4="], "answer": ["3", "7"]}, 2)
+    rm = module.rewards[0].fn
+    assert rm.device.type == "cuda"
+    on_cpu = RewardModel(str(tmp_path / "scorer"))(s.prompts, s.texts)
+    assert torch.allclose(s.rewards.cpu(), torch.tensor(on_cpu), atol=1e-4)
