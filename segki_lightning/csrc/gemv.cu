@@ -128,7 +128,7 @@ __device__ __forceinline__ void mma_stage(const Stage<NACC, U>& s, const T* __re
 // order either way. The next stage's loads sit behind a (warp-uniform) branch of their own: without it ptxas
 // interleaved them with this stage's mma in the plain kernels (from 5 rows up), after the first mma had waited
 // for this stage's data (the SASS order). Putting them first did not make the GDN input projection win with
-// two stages at 16 rows (`gemv_pipe/at_c2dba80/`).
+// two stages at 16 rows (`gemv_pipe/at_c2dba80.md`).
 template <typename T, int NB, int NACC, bool PIPE>
 __device__ __forceinline__ void tile_dot(const T* const (&w)[NACC], int rows_left, const T* __restrict__ x, int m,
                                          int k, int kb0, int kb1, float acc[NACC][NB][4]) {
@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_small_kernel(const GemvArgs<
 // K parts per output row of the CUDA-core path: double while the grid is below 8192 warps and every part keeps
 // a full round of kSmallUnroll 512-byte stretches per weight row. A warp's share of HBM requests is its loads in
 // flight: splitting a 0.8B row (K 1024-3584) down to one or two stretches per warp held the one-row GEMVs to
-// 19-39 % of copy bandwidth against 55 % with four (`gemv_pipe/at_c2dba80/`); with a full round they reach
+// 19-39 % of copy bandwidth against 55 % with four (`gemv_pipe/at_c2dba80.md`); with a full round they reach
 // 30-61 % and 0.8B decode b=1 904 -> 1022 tok/s, b=4 2647 -> 3282 (`small_splits/`). The 4B shapes split as
 // before.
 inline int small_splits(int total_rows, int k) {
@@ -782,7 +782,7 @@ int choose_splits(int groups, int kblocks) {
 
 // Two register stages, except where one measured faster: the GDN input projection (four weights, two of them
 // one row per head) at 9-16 rows, on both models (4B 24.4 against 30.6 us, 0.8B 11.1 against 14.1 at 16 rows;
-// `gemv_pipe/at_c2dba80/`; why is not established). SEGKI_GEMV_PIPE=0: one stage everywhere, for the A/B.
+// `gemv_pipe/at_c2dba80.md`; why is not established). SEGKI_GEMV_PIPE=0: one stage everywhere, for the A/B.
 template <typename T, int NB, Epilogue EPI>
 void launch_mma(const GemvArgs<T>& a, int groups, int splits, bool one_stage_9_to_16, cudaStream_t stream) {
   constexpr int smem = part_bytes<NB, EPI>();

@@ -867,7 +867,7 @@ void launch_grid(SkinnyArgs<T> a, const SkinnyPlan& plan, int grid) {
 // by a queue (produce_queued) and x comes in two pieces where the first part's row copies are long enough
 // (kMinPieceBytes): decode 4B b=16 T=1 +3.6-3.9 %, b=12 +3.0 %, the 0.8B within 0.4 %
 // (results/tile_queue/run2_landed/); at 1-8 rows (the 4B's GDN input, gate|up and q|k|v) 4B b=1 +0.6 %, b=8
-// +1.6-1.9 %, the 0.8B within 0.3 % (run3_rows_1_8/). On every 16-row product, the 0.8B's 2.9-3.4 tiles a block
+// +1.6-1.9 %, the 0.8B within 0.3 % (tile_queue/run3_rows_1_8.md). On every 16-row product, the 0.8B's 2.9-3.4 tiles a block
 // included, the queue (one draw in flight) gave 4B b=16 +3.4-3.5 % and 0.8B -4.7 %; x by every part (the 0.8B
 // down's 112 copies of 1 KB a block) 4B +3.9-4.0 %, 0.8B -8 % (run1).
 // x in registers (load_x_regs) where a 9-16 row launch (the caller's) deals its tiles by a queue over K = kRegParts

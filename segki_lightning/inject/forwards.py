@@ -464,7 +464,7 @@ def _mlp_ahead(self: nn.Module, s: LayerSpec, normed: Tensor, residual: Tensor) 
     launch a layer fewer (0.8B b=32 +4 %, results/norm_ahead/). The same roundings: the projection rounded, the sum
     rounded, the norm of that sum. The down's sums in deferred segments of K (the 4B down at 9-16 rows) go through
     the product's own sum kernel first: straight into the norm kernel decode 4B b=16 lost 1.4-1.5 % (nine segments,
-    one block a row) and 1.0 % (a cluster of 8 one-warp blocks a row, results/tile_queue/run3_rows_1_8/)."""
+    one block a row) and 1.0 % (a cluster of 8 one-warp blocks a row, results/tile_queue/run3_rows_1_8.md)."""
     mlp, nxt = self.mlp, s.next_norm
     if (nxt is None or not _plain(mlp, gated_mlp_forward) or not _plain(nxt, rms_norm_forward) or _hooked(self)
             or _hooked(s.next_owner)):
