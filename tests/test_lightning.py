@@ -56,24 +56,35 @@ def test_a_typo_fails_with_the_key_name(tmp_path):
 
 @pytest.mark.parametrize("name", ["grpo", "ppo"])
 def test_segki_train_runs_three_steps(tmp_path, name):
-    """The recipe from the command line: the metrics a TRL user looks for, the update's parts adding up, one segment
-    report and one rollout-path line a run, a progress bar in steps (not Lightning's epochs of -1 steps)."""
-    out = subprocess.run([sys.executable, "-m", "segki_lightning.train", "--config-name", name,
-                          "trainer.max_steps=3", "task.prompts_per_step=2",
-                          "algo.num_generations=2", f"hydra.run.dir={tmp_path}"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    """The recipe from the command line -- the console script, run in a folder holding a reward's module with no
+    PYTHONPATH (the module imports from where it runs) --: the metrics a TRL user looks for, the update's parts adding
+    up, one segment report and one rollout-path line a run, a progress bar in steps (not Lightning's epochs of -1
+    steps)."""
+    import os
+    import shutil
+
+    script = shutil.which("segki-train", path=str(Path(sys.executable).parent))
+    (tmp_path / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
+                                            "    return [float(len(str(c)) < 3) for c in completions]\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    cmd = [script] if script else [sys.executable, "-m", "segki_lightning.train"]   # (installed: the script)
+    out = subprocess.run([*cmd, "--config-name", name, "trainer.max_steps=3", "task.prompts_per_step=2",
+                          "algo.num_generations=2", "algo.reward_weights=null",
+                          "rewards=[my_rewards.short,{_target_:segki_lightning.rl.rewards.ExactMatch,column:answer}]",
+                          f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout + out.stderr
     assert text.count("injected segments") == 1 and text.count("rollout path") == 1
     assert "step: 100%" in text and "Epoch 0/-2" not in text
     assert "falling back to its reference PyTorch implementation" not in text   # CPU: does not apply
-    metrics = (tmp_path / "logs" / "metrics.csv").read_text().splitlines()
+    metrics = (tmp_path / "run" / "logs" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
     for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
                 "train/loss", "rollout/tokens_per_s", "rollout/time_share", "time/step_s", "time/rollout_s",
                 "time/rollout_setup_s", "time/rollout_prefill_s", "time/rollout_decode_s", "time/rollout_collect_s",
                 "time/gc_s", "time/gc_full", "time/update_s", "time/optimizer_s", "time/forward_s", "time/backward_s",
-                "train/rewards/exact_match"):
+                "train/rewards/exact_match", "train/rewards/short"):
         assert key in header, key
     assert len(metrics) >= 4
     steps = [r for r in csv.DictReader(metrics) if r["time/step_s"]]
@@ -267,22 +278,3 @@ def test_overriding_rewards_alone_replaces_the_recipes(tmp_path, name):
     assert r.fn is one_reward and r.weight == 1.0
 
 
-def test_segki_train_imports_rewards_from_where_it_runs(tmp_path):
-    """The console script, run in a folder holding the reward's module, with no PYTHONPATH: the module imports."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    script = shutil.which("segki-train", path=str(Path(sys.executable).parent))
-    if script is None:
-        pytest.skip("segki-train is not installed beside this Python")
-    (tmp_path / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
-                                            "    return [float(len(str(c)) < 3) for c in completions]\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    cmd = [script, "--config-name", "grpo", "trainer.max_steps=1", "trainer.enable_progress_bar=false",
-           "task.prompts_per_step=2", "algo.num_generations=2", "algo.max_completion_length=3",
-           "rewards=[my_rewards.short]", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "train/rewards/short" in (tmp_path / "run" / "logs" / "metrics.csv").read_text()
