@@ -51,6 +51,9 @@ def test_a_reward_model_scores_each_text_as_its_forward_does_alone(scorer):
     assert texts[0] == "user: 1+2= assistant: 3 "          # the whole conversation, no generation prompt
     assert rm(chat, answers) == pytest.approx([alone(rm, t) for t in texts], abs=1e-5)
     assert rm.__name__ == scorer.name and not any(p.requires_grad for p in rm.model.parameters())
+    rm.tokenizer.chat_template = None
+    with pytest.raises(ValueError, match=f"reward model {scorer.name}: conversational prompts .* has none"):
+        rm(chat, answers)
 
 
 def test_a_reward_model_is_a_reward_by_folder_and_trains_a_recipe(scorer, tmp_path):

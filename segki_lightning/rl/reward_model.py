@@ -77,6 +77,10 @@ class RewardModel:
         from ..lightning.mixin import is_conversation
 
         if is_conversation(prompts[0]):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"reward model {self.__name__}: conversational prompts are read through its chat "
+                                 "template, and its tokenizer has none: give RewardModel(model, tokenizer=...) one "
+                                 "that has it")
             kwargs = self.chat_template_kwargs or {}
             return [self.tokenizer.apply_chat_template(list(p) + list(c), tokenize=False, **kwargs)
                     for p, c in zip(prompts, completions, strict=True)]
