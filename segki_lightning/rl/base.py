@@ -21,14 +21,13 @@ from ..lightning.mixin import is_conversation
 from ..rollout import RolloutBatch, RolloutStats, SamplingConfig
 from ..rollout.stops import StopStrings
 from .buffer import RolloutBuffer
-from .config import EIGHT_BIT
 from .correction import importance_weights, mismatch_stats
 from .flops import FlopShape, peak_flops
 from .gc_clock import GcClock
 from .logprobs import TokenScores, completion_logprobs, packs
 from .lora import is_peft
 from .losses import Totals
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, refuse_on_shards
 from .reward_model import RewardModel
 from .rewards import RewardFn, RewardLogs, TrainerState, WeightedReward, as_rewards, reward_table, summarize
 from .metrics import completions_table, write_completions
@@ -63,6 +62,13 @@ class Scored:
     tools: dict[str, float] | None = None   # multi-turn rollouts: tool-call metrics by name
     per_function: Tensor | None = None      # [N, F] fp32 each reward function's value, NaN where it does not apply
     reward_logs: RewardLogs | None = None   # what the reward functions logged (TRL's log_metric / log_extra)
+
+
+def ended_rows(ro: RolloutBatch, eos_token_id: int) -> Tensor:
+    """``[N]`` bool: the rows that ended -- an EOS among their tokens, or a stop string -- rather than running out of
+    ``max_completion_length`` (TRL's truncated completions are the others)."""
+    ended = (ro.completion_ids == eos_token_id).any(1)
+    return ended if ro.stopped is None else ended | ro.stopped
 
 
 def row_lengths(ro: RolloutBatch, rows: Tensor) -> Tensor:
@@ -308,9 +314,7 @@ class RLModule(SegKIRolloutMixin, pl.LightningModule):
         if not is_model_parallel(self.trainer.strategy):
             self._warn_if_replicated_state_does_not_fit()
             return
-        if self.cfg.optim in EIGHT_BIT:
-            raise ValueError(f"optim={self.cfg.optim} (bitsandbytes) does not step FSDP's sharded parameters: set "
-                             "algo.optim=adamw_torch_fused under trainer.strategy=fsdp")
+        refuse_on_shards(self.cfg.optim)   # before sharding: nothing is built for a run that cannot step
         if self.trainer.precision not in ("32-true", "32"):
             raise ValueError(f"under FSDP (ModelParallelStrategy) use precision='32-true', not "
                              f"{self.trainer.precision!r}: the fp32 shards are the master weights and the layers "

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .advantages import (gdpo_advantages, group_advantages, high_entropy_mask, reinforce_pp_advantages,
                          rloo_advantages)
-from .base import RLModule
+from .base import RLModule, ended_rows
 from .buffer import RolloutBuffer, schedule
 from .config import GRPOConfig
 from .dist import gather_rows, global_sum
@@ -58,11 +58,8 @@ class GRPOModule(RLModule):
             s = self.dynamically_sampled(s, len(batch["prompt"]))
         ro = s.batch
         data = {"mask": ro.model_mask}                               # [N, T] the model's tokens (tool results 0)
-        if cfg.mask_truncated_completions:   # a row ended by EOS or a stop string is not truncated
-            ended = (ro.completion_ids == self.eos_token_id).any(1)
-            if ro.stopped is not None:
-                ended = ended | ro.stopped
-            data["mask"] = data["mask"] * ended[:, None].long()
+        if cfg.mask_truncated_completions:
+            data["mask"] = data["mask"] * ended_rows(ro, self.eos_token_id)[:, None].long()
         data["adv"] = self.advantages(s.rewards, data["mask"], s.per_function)                 # [N]
         if cfg.steps_per_rollout > 1 or cfg.top_entropy_quantile < 1.0:
             old = self.old_scores(ro)

@@ -108,6 +108,13 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
+def refuse_on_shards(optim: str) -> None:
+    """bitsandbytes' 8-bit AdamW does not step FSDP's DTensor shards: one error naming the setting to change."""
+    if optim in EIGHT_BIT:
+        raise ValueError(f"optim={optim} (bitsandbytes) does not step FSDP's sharded parameters: set "
+                         "optim=adamw_torch_fused (algo.optim in a recipe) under trainer.strategy=fsdp")
+
+
 def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, master_weights: bool = True,
                     optim: str = "adamw_torch_fused", betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
                     ) -> torch.optim.Optimizer:
@@ -120,8 +127,7 @@ def build_optimizer(params: Iterable[Tensor], lr: float, weight_decay: float, ma
     sharded = any(is_shard(p) for p in params)
     if optim in EIGHT_BIT:
         if sharded:
-            raise ValueError(f"optim={optim} (bitsandbytes) does not step FSDP's sharded parameters: set "
-                             "optim=adamw_torch_fused under trainer.strategy=fsdp")
+            refuse_on_shards(optim)
         import bitsandbytes as bnb
 
         cls = bnb.optim.AdamW8bit

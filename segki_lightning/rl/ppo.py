@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .advantages import gae, masked_whiten
-from .base import RLModule
+from .base import RLModule, ended_rows
 from .buffer import RolloutBuffer, schedule
 from .config import PPOConfig
 from .losses import Totals, ppo_loss, token_mean
@@ -52,11 +52,8 @@ class PPOModule(RLModule):
         logr = ref - old.logp                                                             # [N, T]
         kl = -logr if cfg.kl_estimator == "k1" else (logr.exp() - 1) - logr   # (TRL's form)
         scores = s.rewards
-        if cfg.missing_eos_penalty is not None:   # a row ended by EOS or a stop string has ended
-            ended = (ro.completion_ids == self.eos_token_id).any(1)
-            if ro.stopped is not None:
-                ended = ended | ro.stopped
-            scores = scores - cfg.missing_eos_penalty * (~ended).to(scores.dtype)
+        if cfg.missing_eos_penalty is not None:
+            scores = scores - cfg.missing_eos_penalty * (~ended_rows(ro, self.eos_token_id)).to(scores.dtype)
         token_rewards = -cfg.kl_coef * kl
         last = (mask.sum(1) - 1).clamp_min(0)
         token_rewards[torch.arange(len(last), device=last.device), last] += scores
