@@ -291,8 +291,8 @@ def reward_table(rewards: Sequence[WeightedReward], prompts: Sequence[Any], comp
     after the others, one after another."""
     n = len(completions)
     args, kwargs = (prompts, completions), {**extra, **columns}
-    outputs: dict[int, Any] = {i: r.fn(*args, **kwargs) for i, r in enumerate(rewards) if not is_async(r.fn)}
     waiting = [i for i, r in enumerate(rewards) if is_async(r.fn)]
+    outputs: dict[int, Any] = {i: r.fn(*args, **kwargs) for i, r in enumerate(rewards) if i not in waiting}
     if waiting:
         async def together():
             return await asyncio.gather(*(rewards[i].fn(*args, **kwargs) for i in waiting))
