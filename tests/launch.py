@@ -1,8 +1,10 @@
 """``segki-train`` on several CPU processes started together, as ``torchrun`` starts them: each rank gets
 ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT`` and Lightning joins them instead of launching the others itself. The
 ranks import in parallel, ~4 s less a run than Lightning's launcher on two cores, which starts rank 1 only after
-rank 0 has imported and composed its config. Lightning's own launcher (``trainer.devices=2`` alone, the README's
-way) stays covered by ``test_reliability.py``'s DDP signal test."""
+rank 0 has imported and composed its config. As torchrun does, each rank runs one OpenMP thread unless
+``OMP_NUM_THREADS`` says otherwise (Lightning's own launcher gives each ``cores // ranks``): two ranks of two threads
+each on two cores spend ~20 % of a run's wall time waiting on each other's threads. Lightning's own launcher
+(``trainer.devices=2`` alone, the README's way) stays covered by ``test_reliability.py``'s DDP signal test."""
 from __future__ import annotations
 
 import os
@@ -25,7 +27,7 @@ def train_ranks(folder: Path, *overrides: str, world: int = 2, timeout: float = 
     Rank r > 0 logs to ``train_ddp_process_r.log`` and saves its Hydra config under ``.rank_r``, as under
     Lightning's launcher; each rank's output is in ``rank_r.out``. A rank that fails stops the others."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
            "NODE_RANK": "0"}
     procs = []
     for rank in range(world):
