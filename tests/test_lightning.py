@@ -54,27 +54,44 @@ def test_a_typo_fails_with_the_key_name(tmp_path):
         small(tmp_path, "trainer.max_stepz=3")
 
 
-@pytest.mark.parametrize("name", ["grpo", "ppo"])
-def test_segki_train_runs_three_steps(tmp_path, name):
-    """The recipe from the command line -- the console script, run in a folder holding a reward's module with no
-    PYTHONPATH (the module imports from where it runs) --: the metrics a TRL user looks for, the update's parts adding
-    up, one segment report and one rollout-path line a run, a progress bar in steps (not Lightning's epochs of -1
-    steps)."""
+@pytest.fixture(scope="module")
+def three_step_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    """The GRPO and PPO recipes from the command line, both at once (each process imports on one core of its own):
+    the console script, run in a folder holding a reward's module with no PYTHONPATH (the module imports from where
+    it runs). By recipe: exit code, output, folder."""
     import os
     import shutil
 
     script = shutil.which("segki-train", path=str(Path(sys.executable).parent))
-    (tmp_path / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
-                                            "    return [float(len(str(c)) < 3) for c in completions]\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     cmd = [script] if script else [sys.executable, "-m", "segki_lightning.train"]   # (installed: the script)
-    out = subprocess.run([*cmd, "--config-name", name, "trainer.max_steps=3", "task.prompts_per_step=2",
-                          "algo.num_generations=2", "algo.reward_weights=null",
-                          "rewards=[my_rewards.short,{_target_:segki_lightning.rl.rewards.ExactMatch,column:answer}]",
-                          f"hydra.run.dir={tmp_path / 'run'}"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    text = out.stdout + out.stderr
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.setdefault("OMP_NUM_THREADS", "1")   # two processes on two cores
+    procs = {}
+    for name in ("grpo", "ppo"):
+        folder = tmp_path_factory.mktemp(name)
+        (folder / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
+                                              "    return [float(len(str(c)) < 3) for c in completions]\n")
+        out = open(folder / "output.txt", "w")
+        procs[name] = (subprocess.Popen(
+            [*cmd, "--config-name", name, "trainer.max_steps=3", "task.prompts_per_step=2", "algo.num_generations=2",
+             "algo.reward_weights=null",
+             "rewards=[my_rewards.short,{_target_:segki_lightning.rl.rewards.ExactMatch,column:answer}]",
+             f"hydra.run.dir={folder / 'run'}"], stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=env), out, folder)
+    runs = {}
+    for name, (proc, out, folder) in procs.items():
+        code = proc.wait(timeout=600)
+        out.close()
+        runs[name] = (code, (folder / "output.txt").read_text(), folder)
+    return runs
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_segki_train_runs_three_steps(three_step_runs, name):
+    """The recipe from the command line (:func:`three_step_runs`): the metrics a TRL user looks for, the update's
+    parts adding up, one segment report and one rollout-path line a run, a progress bar in steps (not Lightning's
+    epochs of -1 steps)."""
+    code, text, tmp_path = three_step_runs[name]
+    assert code == 0, text[-3000:]
     assert text.count("injected segments") == 1 and text.count("rollout path") == 1
     assert "step: 100%" in text and "Epoch 0/-2" not in text
     assert "falling back to its reference PyTorch implementation" not in text   # CPU: does not apply
