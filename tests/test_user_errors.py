@@ -54,6 +54,9 @@ def test_fit_on_a_bare_dataset_says_how_to_batch_it(tmp_path):
     (["rollout.max_seq_len=40", "algo.max_completion_length=30"],
      r"rollout\.max_seq_len=40 is less than algo\.max_prompt_length \+ algo\.max_completion_length = 58 \+ 30"),
     (["algo.max_prompt_length=null"], r"algo\.max_prompt_length=null .* needs an explicit rollout\.max_seq_len"),
+    (["algo.temperature=0"], r"algo\.temperature must be > 0: the log-probs .* unless algo\.num_generations_eval"),
+    (["algo.top_p=0"], r"algo\.top_k must be >= 0 .* and algo\.top_p in \(0, 1\]"),
+    (["algo.max_completion_length=0"], r"algo\.max_completion_length must be >= 1 token, got 0"),
 ])
 def test_a_bad_setting_names_its_key_before_the_model_loads(tmp_path, monkeypatch, overrides, words):
     import segki_lightning.train as train

@@ -3,6 +3,7 @@ TRL has them; the README lists every one and says where we differ and why."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,15 @@ class RLConfig:
         if self.importance_sampling_clip_max <= 0 or (lo is not None and not 0 <= lo < self.importance_sampling_clip_max):
             raise ValueError("importance_sampling_clip_max must be > 0 and importance_sampling_clip_min in "
                              f"[0, clip_max) or null, got {lo}, {self.importance_sampling_clip_max}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):   # the log-probs divide by it
+            raise ValueError(f"temperature must be > 0: the log-probs are taken at the sampling temperature "
+                             f"(validation rollouts are greedy unless num_generations_eval is set), got "
+                             f"{self.temperature}")
+        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_k must be >= 0 (0: off) and top_p in (0, 1] (1.0: off), got {self.top_k}, "
+                             f"{self.top_p}")
+        if self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be >= 1 token, got {self.max_completion_length}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1 token (or null: no limit), got {self.max_prompt_length}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
