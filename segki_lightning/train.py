@@ -230,7 +230,9 @@ def run(cfg) -> dict:
     conf_cls, module_cls = algorithms[cfg.algorithm]
     module_cls = module_class(cfg.module, module_cls)
     algo = build_algo(cfg, conf_cls)   # settings checked before the model loads
+    check_groups(cfg)
     rollout_kw = rollout_settings(cfg, algo)
+    segki = named("rollout", list(rollout_kw), lambda: SegKICallback(**rollout_kw))
     tools, environment_factory, parser = build_tools(cfg)   # imports checked before the model loads
     pl.seed_everything(cfg.seed, workers=True)
     policy, tokenizer = build_policy(cfg)
@@ -246,8 +248,7 @@ def run(cfg) -> dict:
                            enable_version_counter=False,
                            every_n_train_steps=cfg.checkpoint.every_n_train_steps, save_last=cfg.checkpoint.save_last,
                            save_top_k=cfg.checkpoint.save_top_k, monitor="step", mode="max")
-    callbacks = [SegKICallback(**rollout_kw), ckpt, GracefulStop(ckpt_dir),
-                 RankConsistency()]
+    callbacks = [segki, ckpt, GracefulStop(ckpt_dir), RankConsistency()]
     trainer_kw = OmegaConf.to_container(cfg.trainer, resolve=True)
     trainer_kw["logger"] = build_loggers(cfg)
     use_strategy(trainer_kw)
@@ -269,13 +270,29 @@ def build_algo(cfg, conf_cls: type):
 
     from omegaconf import OmegaConf
 
+    names = [f.name for f in dataclasses.fields(conf_cls)]
+    return named("algo", names, lambda: conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True)))
+
+
+def named(group: str, names: list[str], build):
+    """``build()``, its ValueError or TypeError raised again with each of ``names`` it mentions as the key to set:
+    "max_grad_norm must be > 0" -> "algo.max_grad_norm must be > 0"."""
     try:
-        return conf_cls(**OmegaConf.to_container(cfg.algo, resolve=True))
+        return build()
     except (ValueError, TypeError) as err:
         msg = str(err)
-        for f in dataclasses.fields(conf_cls):   # "max_grad_norm must be > 0" -> "algo.max_grad_norm must be > 0"
-            msg = re.sub(rf"(?<![\w.]){f.name}(?![\w])", f"algo.{f.name}", msg)
+        for name in names:
+            msg = re.sub(rf"(?<![\w.]){name}(?![\w])", f"{group}.{name}", msg)
         raise type(err)(msg) from None
+
+
+def check_groups(cfg) -> None:
+    """The task's batch and the LoRA settings, checked before the model loads (each error names its key)."""
+    if cfg.task.prompts_per_step < 1:
+        raise ValueError(f"task.prompts_per_step must be >= 1 prompt, got {cfg.task.prompts_per_step}")
+    if cfg.lora.r < 0 or (cfg.lora.r > 0 and not 0 <= cfg.lora.lora_dropout < 1):
+        raise ValueError(f"lora.r must be >= 0 (0: full weights) and lora.lora_dropout in [0, 1), got {cfg.lora.r}, "
+                         f"{cfg.lora.lora_dropout}")
 
 
 def rollout_settings(cfg, algo) -> dict:

@@ -57,6 +57,13 @@ def test_fit_on_a_bare_dataset_says_how_to_batch_it(tmp_path):
     (["algo.temperature=0"], r"algo\.temperature must be > 0: the log-probs .* unless algo\.num_generations_eval"),
     (["algo.top_p=0"], r"algo\.top_k must be >= 0 .* and algo\.top_p in \(0, 1\]"),
     (["algo.max_completion_length=0"], r"algo\.max_completion_length must be >= 1 token, got 0"),
+    (["algo.learning_rate=-1"], r"algo\.learning_rate and algo\.weight_decay must be >= 0, got -1"),
+    (["algo.beta=-0.1"], r"algo\.beta, algo\.epsilon and algo\.epsilon_high must be >= 0 .* got -0\.1"),
+    (["algo.cliprange=-0.2", "name=ppo"], r"algo\.cliprange, algo\.cliprange_value, .* must be >= 0, got -0\.2"),
+    (["rollout.max_batch_size=0"], r"rollout\.max_batch_size must be >= 1, got 0"),
+    (["task.prompts_per_step=0"], r"task\.prompts_per_step must be >= 1 prompt, got 0"),
+    (["lora.r=-4"], r"lora\.r must be >= 0 \(0: full weights\)"),
+    (["lora.r=4", "lora.lora_dropout=1.5"], r"lora\.lora_dropout in \[0, 1\), got 4, 1\.5"),
 ])
 def test_a_bad_setting_names_its_key_before_the_model_loads(tmp_path, monkeypatch, overrides, words):
     import segki_lightning.train as train
@@ -65,8 +72,9 @@ def test_a_bad_setting_names_its_key_before_the_model_loads(tmp_path, monkeypatc
         raise AssertionError("the model loaded before the settings were checked")
 
     monkeypatch.setattr(train, "build_policy", no_model)
+    name = [o[5:] for o in overrides if o.startswith("name=")] or ["grpo"]   # name=<recipe>: not grpo
     with pytest.raises(ValueError, match=words):
-        run(small(tmp_path, *overrides))
+        run(small(tmp_path, *(o for o in overrides if not o.startswith("name=")), name=name[0]))
     assert not (tmp_path / "checkpoints").exists()
 
 

@@ -123,6 +123,9 @@ class RLConfig:
         if self.importance_sampling_clip_max <= 0 or (lo is not None and not 0 <= lo < self.importance_sampling_clip_max):
             raise ValueError("importance_sampling_clip_max must be > 0 and importance_sampling_clip_min in "
                              f"[0, clip_max) or null, got {lo}, {self.importance_sampling_clip_max}")
+        if not (self.learning_rate >= 0 and self.weight_decay >= 0):
+            raise ValueError(f"learning_rate and weight_decay must be >= 0, got {self.learning_rate}, "
+                             f"{self.weight_decay}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):   # the log-probs divide by it
             raise ValueError(f"temperature must be > 0: the log-probs are taken at the sampling temperature "
                              f"(validation rollouts are greedy unless num_generations_eval is set), got "
@@ -230,6 +233,9 @@ class GRPOConfig(RLConfig):
                              f"{self.importance_sampling_level!r}")
         if not 0.0 <= self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        if not (self.beta >= 0 and self.epsilon >= 0 and (self.epsilon_high is None or self.epsilon_high >= 0)):
+            raise ValueError(f"beta, epsilon and epsilon_high must be >= 0 (the KL coefficient and the clipping "
+                             f"bounds), got {self.beta}, {self.epsilon}, {self.epsilon_high}")
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError("loss_type=cispo truncates the importance weight at epsilon_high: set it (the CISPO "
                              "paper uses values around 5)")
@@ -303,6 +309,9 @@ class PPOConfig(RLConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if min(self.cliprange, self.cliprange_value, self.vf_coef, self.kl_coef) < 0:
+            raise ValueError(f"cliprange, cliprange_value, vf_coef and kl_coef must be >= 0, got {self.cliprange}, "
+                             f"{self.cliprange_value}, {self.vf_coef}, {self.kl_coef}")
         if self.num_ppo_epochs < 1 or self.num_mini_batches < 1:
             raise ValueError(f"num_ppo_epochs and num_mini_batches must be >= 1, got {self.num_ppo_epochs}, "
                              f"{self.num_mini_batches}")
