@@ -287,7 +287,16 @@ def named(group: str, names: list[str], build):
 
 
 def check_groups(cfg) -> None:
-    """The task's batch and the LoRA settings, checked before the model loads (each error names its key)."""
+    """The task's batch, the reward weights' count, the checkpoint and LoRA settings, checked before the model
+    loads (each error names its key)."""
+    weights = cfg.algo.get("reward_weights")
+    if weights is not None and len(weights) != len(cfg.rewards):
+        raise ValueError(f"algo.reward_weights has {len(weights)} values for the {len(cfg.rewards)} entries of "
+                         "rewards: give one weight per reward (or algo.reward_weights=null: 1.0 each)")
+    if cfg.checkpoint.every_n_train_steps < 0 or cfg.checkpoint.save_top_k < -1:
+        raise ValueError(f"checkpoint.every_n_train_steps must be >= 0 (0: no step checkpoints) and "
+                         f"checkpoint.save_top_k >= -1 (-1: keep all), got {cfg.checkpoint.every_n_train_steps}, "
+                         f"{cfg.checkpoint.save_top_k}")
     if cfg.task.prompts_per_step < 1:
         raise ValueError(f"task.prompts_per_step must be >= 1 prompt, got {cfg.task.prompts_per_step}")
     if cfg.lora.r < 0 or (cfg.lora.r > 0 and not 0 <= cfg.lora.lora_dropout < 1):

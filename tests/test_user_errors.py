@@ -61,6 +61,8 @@ def test_fit_on_a_bare_dataset_says_how_to_batch_it(tmp_path):
     (["algo.beta=-0.1"], r"algo\.beta, algo\.epsilon and algo\.epsilon_high must be >= 0 .* got -0\.1"),
     (["algo.cliprange=-0.2", "name=ppo"], r"algo\.cliprange, algo\.cliprange_value, .* must be >= 0, got -0\.2"),
     (["rollout.max_batch_size=0"], r"rollout\.max_batch_size must be >= 1, got 0"),
+    (["algo.reward_weights=[1,2,3]"], r"algo\.reward_weights has 3 values for the 2 entries of rewards"),
+    (["checkpoint.every_n_train_steps=-1"], r"checkpoint\.every_n_train_steps must be >= 0"),
     (["task.prompts_per_step=0"], r"task\.prompts_per_step must be >= 1 prompt, got 0"),
     (["lora.r=-4"], r"lora\.r must be >= 0 \(0: full weights\)"),
     (["lora.r=4", "lora.lora_dropout=1.5"], r"lora\.lora_dropout in \[0, 1\), got 4, 1\.5"),
