@@ -139,4 +139,5 @@ def captured_step(model, batch: int, new_tokens: int = 32):
     engine = RolloutEngine(model, max_batch_size=batch, max_seq_len=256, use_segki=True, graph_capture=True,
                            eos_token_id=[])
     engine.generate([list(range(10, 138))], SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, n=batch))
-    return engine, engine._graphs[(engine._bucket(batch), False)][0]
+    bucket = engine._bucket(batch)   # the one graph captured (keys: bucket, step kind)
+    return engine, next(graph for (b, _), (graph, _) in engine._graphs.items() if b == bucket)
