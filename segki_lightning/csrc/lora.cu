@@ -1,8 +1,7 @@
 // LoRA paths of one projection group (q|k|v, the GDN input projections, gate|up, or one projection) added to
 // their base outputs in two launches, for decode rows (no autograd):
-//   lora_shrink: p[i, row, s, j] = x[row, slice s] . A_i[j, slice s]   (K in slices over blocks, fp32 sums)
-//   lora_expand: t[i, row, j] = sum over s of p[i, row, s, j]  (in slice order)
-//                res_i[row, n] = out_i[row, n] + scale_i * (t[i, row] . B_i[n])
+//   lora_shrink: t[i, row, j] = x[row] . A_i[j]             (every member's rank rows, fp32 sums)
+//   lora_expand: res_i[row, n] = out_i[row, n] + scale_i * (t[i, row] . B_i[n])
 // with peft's roundings (its lora.Linear.forward): x cast to the adapters' dtype W (fp32 adapters: exact), each
 // product's sums rounded to W, the scaled path rounded to W, the base output promoted to W for the add and the sum
 // rounded to the output's dtype. W is fp32 or the outputs' half dtype. Instead of peft's five or six launches a
@@ -17,10 +16,8 @@ namespace {
 
 constexpr int kMaxMembers = 4;   // the GDN input projection's four (qkv, z, b, a) at most
 constexpr int kRankTile = 4;     // rank rows a shrink block sums at once
-constexpr int kRowTile = 8;      // rows a shrink block (A's slice read once for them) and an expand block take
-constexpr int kPerThread = 4;    // elements of K a shrink thread loads for each row, all before its first product
+constexpr int kRowTile = 8;      // rows an expand thread adds at once (its B row read once for them)
 constexpr int kThreads = 256;
-constexpr int kSliceK = kThreads * kPerThread;   // elements of K a shrink block sums: K in slices over blocks
 
 template <typename W>
 struct Group {
@@ -30,8 +27,7 @@ struct Group {
   void* res[kMaxMembers];           // the results, [rows, N_i] contiguous (N_i: member i's column count)
   int64_t out_ld[kMaxMembers];
   int rank[kMaxMembers];
-  int cols[kMaxMembers];            // N_i
-  int block_start[kMaxMembers + 1]; // member i's expand column blocks: [block_start[i], block_start[i + 1])
+  int col_start[kMaxMembers + 1];   // member i's columns: [col_start[i], col_start[i + 1]) of all members'
   float scale[kMaxMembers];
   int members;
 };
@@ -47,94 +43,70 @@ __device__ __forceinline__ float round_w(float v) {
   else return round_to<W>(v);
 }
 
-// grid (slices x rank tiles, row tiles, members), kThreads threads: block (s + slices * j, rt, i) sums slice s of
-// K (kSliceK elements) of member i's rank rows [4j, 4j + 4) against x's rows [ROWS rt, ROWS rt + ROWS). Every thread
-// loads its kPerThread elements of the slice for each rank row and row before the first product (one round trip to
-// memory, not one per element: the whole-K loop it replaces took 5-14 us a call at any row count), then the block
-// sums; the slice's fp32 sums go to p[i, row, s, j], which the expand adds in slice order.
-template <typename T, typename W, int ROWS>
-__global__ void lora_shrink_kernel(const T* __restrict__ x, int K, int rows, Group<W> g, int slices,
-                                   float* __restrict__ p, int R) {
+// grid (rank tiles, rows, members), kThreads threads: block (j, row, i) sums rank rows [4j, 4j + 4) of member i
+// against x's row `row`, each thread over every kThreads-th column, then across the block.
+template <typename T, typename W>
+__global__ void lora_shrink_kernel(const T* __restrict__ x, int K, Group<W> g, float* __restrict__ t, int R) {
   pdl_start();  // x comes from the kernel before
-  const int i = blockIdx.z, s = blockIdx.x % slices, j0 = blockIdx.x / slices * kRankTile;
-  const int row0 = blockIdx.y * ROWS, r = g.rank[i];
+  const int i = blockIdx.z, row = blockIdx.y, j0 = blockIdx.x * kRankTile, r = g.rank[i];
   if (j0 >= r) return;
-  const int nj = min(kRankTile, r - j0), nr = min(ROWS, rows - row0), k0 = s * kSliceK + threadIdx.x;
+  const int nj = min(kRankTile, r - j0);
+  const T* xr = x + (int64_t)row * K;
   const W* a = g.a[i] + (int64_t)j0 * K;
-  float av[kRankTile][kPerThread], xv[ROWS][kPerThread];
+  float acc[kRankTile] = {};
+  for (int k = threadIdx.x; k < K; k += kThreads) {
+    const float xv = as_float(xr[k]);
 #pragma unroll
-  for (int e = 0; e < kPerThread; ++e) {
-    const int k = k0 + e * kThreads;
-#pragma unroll
-    for (int jj = 0; jj < kRankTile; ++jj) av[jj][e] = k < K && jj < nj ? as_float(a[(int64_t)jj * K + k]) : 0.f;
-#pragma unroll
-    for (int rr = 0; rr < ROWS; ++rr)
-      xv[rr][e] = k < K && rr < nr ? as_float(x[(int64_t)(row0 + rr) * K + k]) : 0.f;
+    for (int jj = 0; jj < kRankTile; ++jj)
+      if (jj < nj) acc[jj] += xv * as_float(a[(int64_t)jj * K + k]);
   }
-  float acc[ROWS * kRankTile];
+  __shared__ float scratch[kRankTile][32];
+  block_sums<kRankTile>(acc, scratch);
+  if (threadIdx.x < nj) {
+    float v = acc[0];
 #pragma unroll
-  for (int rr = 0; rr < ROWS; ++rr)
-#pragma unroll
-    for (int jj = 0; jj < kRankTile; ++jj) {
-      float v = 0.f;
-#pragma unroll
-      for (int e = 0; e < kPerThread; ++e) v += xv[rr][e] * av[jj][e];
-      acc[rr * kRankTile + jj] = v;
-    }
-  __shared__ float scratch[ROWS * kRankTile][32];
-  block_sums<ROWS * kRankTile>(acc, scratch);
-#pragma unroll
-  for (int q = 0; q < ROWS * kRankTile; ++q) {
-    const int rr = q / kRankTile, jj = q % kRankTile;
-    if (threadIdx.x == q && rr < nr && jj < nj)
-      p[(((int64_t)i * rows + row0 + rr) * slices + s) * R + j0 + jj] = acc[q];   // [members, rows, slices, R]
+    for (int jj = 1; jj < kRankTile; ++jj)
+      if (threadIdx.x == jj) v = acc[jj];
+    t[((int64_t)i * gridDim.y + row) * R + j0 + threadIdx.x] = round_w<W>(v);   // [members, rows, R]
   }
 }
 
-// grid (every member's column blocks, row tiles), kThreads threads, kRowTile * r_i floats of shared memory: block
-// (c, rt) of member i first adds the shrink's slices for its rows (in slice order, then rounded to W: t = x A_i^T),
-// then each thread adds one output column for up to kRowTile rows, its B row read once for them; every base output
-// it adds to is loaded before the first result is stored (one round trip, not one per row).
+// grid (column blocks over all members' columns, row tiles), kThreads threads: one output column of one member
+// for up to kRowTile rows, its B row read 16 ranks at a time.
 template <typename T, typename W>
-__global__ void lora_expand_kernel(Group<W> g, const float* __restrict__ p, int slices, int R, int rows) {
-  extern __shared__ float ts[];   // [kRowTile, r_i]
-  pdl_start();  // p comes from lora_shrink, out from the product before it
+__global__ void lora_expand_kernel(Group<W> g, const float* __restrict__ t, int R, int rows) {
+  pdl_start();  // t comes from lora_shrink, out from the product before it
+  const int col = blockIdx.x * kThreads + threadIdx.x, row0 = blockIdx.y * kRowTile;
+  if (col >= g.col_start[g.members]) return;
   int i = 0;
-  while (i + 1 < g.members && (int)blockIdx.x >= g.block_start[i + 1]) ++i;
-  const int r = g.rank[i], width = g.cols[i], row0 = blockIdx.y * kRowTile;
+  while (col >= g.col_start[i + 1]) ++i;
+  const int n = col - g.col_start[i], width = g.col_start[i + 1] - g.col_start[i], r = g.rank[i];
   const int nr = min(kRowTile, rows - row0);
-  for (int q = threadIdx.x; q < nr * r; q += kThreads) {
-    const float* pq = p + (((int64_t)i * rows + row0 + q / r) * slices) * R + q % r;
-    float v = 0.f;
-    for (int s = 0; s < slices; ++s) v += pq[(int64_t)s * R];
-    ts[q] = round_w<W>(v);
-  }
-  __syncthreads();
-  const int n = ((int)blockIdx.x - g.block_start[i]) * kThreads + threadIdx.x;
-  if (n >= width) return;
-  const T* out = static_cast<const T*>(g.out[i]);
-  const int64_t ld = g.out_ld[i];
-  float base[kRowTile];
-#pragma unroll
-  for (int rr = 0; rr < kRowTile; ++rr) base[rr] = rr < nr ? as_float(out[(row0 + rr) * ld + n]) : 0.f;
   const W* b = g.b[i] + (int64_t)n * r;
+  const float* ti = t + ((int64_t)i * rows + row0) * R;
   float acc[kRowTile] = {};
   for (int j0 = 0; j0 < r; j0 += 16) {
     float bv[16];
 #pragma unroll
     for (int jj = 0; jj < 16; ++jj) bv[jj] = j0 + jj < r ? as_float(b[j0 + jj]) : 0.f;
 #pragma unroll
-    for (int rr = 0; rr < kRowTile; ++rr)
+    for (int rr = 0; rr < kRowTile; ++rr) {
+      if (rr >= nr) break;
+      const float* tr = ti + (int64_t)rr * R + j0;
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj)
-        if (j0 + jj < r) acc[rr] += ts[rr * r + j0 + jj] * bv[jj];
+        if (j0 + jj < r) acc[rr] += tr[jj] * bv[jj];
+    }
   }
+  const T* out = static_cast<const T*>(g.out[i]);
   T* res = static_cast<T*>(g.res[i]);
-  const float scale = g.scale[i];
 #pragma unroll
-  for (int rr = 0; rr < kRowTile; ++rr)
-    if (rr < nr)
-      res[(int64_t)(row0 + rr) * width + n] = from_float<T>(base[rr] + round_w<W>(round_w<W>(acc[rr]) * scale));
+  for (int rr = 0; rr < kRowTile; ++rr) {
+    if (rr >= nr) break;
+    const float path = round_w<W>(round_w<W>(acc[rr]) * g.scale[i]);
+    const int64_t row = row0 + rr;
+    res[row * width + n] = from_float<T>(as_float(out[row * g.out_ld[i] + n]) + path);
+  }
 }
 
 std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::TensorList a, at::TensorList b,
@@ -149,7 +121,7 @@ std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::T
   const at::ScalarType wtype = a[0].scalar_type();
   TORCH_CHECK(wtype == at::kFloat || wtype == dtype, op, ": adapters of dtype ", wtype, " with outputs of ", dtype,
               " (fp32 or the outputs' dtype)");
-  int max_rank = 0;
+  int max_rank = 0, cols = 0;
   std::vector<int64_t> ld(m);
   for (int i = 0; i < m; ++i) {
     check_cuda_half(a[i], op, "A", wtype);
@@ -160,13 +132,12 @@ std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::T
     TORCH_CHECK(outs[i].size(-1) == b[i].size(0) && outs[i].numel() == rows * b[i].size(0), op, ": member ", i,
                 ": output ", outs[i].sizes(), " is not ", rows, " rows of B's ", b[i].size(0), " columns");
     max_rank = std::max<int>(max_rank, (int)a[i].size(0));
+    cols += (int)b[i].size(0);
   }
-  TORCH_CHECK(max_rank >= 1 && max_rank <= 1024 && rows <= 65535 * kRowTile, op,
-              ": ranks of 1 to 1024 and at most ", 65535 * kRowTile, " rows");
+  TORCH_CHECK(max_rank >= 1 && rows <= 65535, op, ": ranks >= 1 and at most 65535 rows");
   c10::cuda::CUDAGuard guard(x.device());
   std::vector<at::Tensor> res;
-  const int slices = (int)((K + kSliceK - 1) / kSliceK);
-  auto p = at::empty({m, rows, slices, max_rank}, x.options().dtype(at::kFloat));   // the shrink's slice sums
+  auto t = at::empty({m, rows, max_rank}, x.options().dtype(at::kFloat));
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   SEGKI_DISPATCH_HALF(dtype, op, [&] {
     auto run = [&](auto w_tag) {
@@ -181,25 +152,16 @@ std::vector<at::Tensor> lora_add(const at::Tensor& x, at::TensorList outs, at::T
         g.res[i] = res.back().data_ptr();
         g.out_ld[i] = ld[i];
         g.rank[i] = (int)a[i].size(0);
-        g.cols[i] = (int)b[i].size(0);
-        g.block_start[i + 1] = g.block_start[i] + (g.cols[i] + kThreads - 1) / kThreads;
+        g.col_start[i + 1] = g.col_start[i] + (int)b[i].size(0);
         g.scale[i] = (float)scales[i];
       }
       if (rows == 0) return;
-      const dim3 shrink_grid(slices * ((max_rank + kRankTile - 1) / kRankTile), 1, m);
-      const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-      if (rows == 1) {   // one row: no row tile to fill
-        launch_pdl(lora_shrink_kernel<T, W, 1>, shrink_grid, dim3(kThreads), stream, dim3(1), xp, (int)K, (int)rows,
-                   g, slices, p.data_ptr<float>(), max_rank);
-      } else {
-        launch_pdl(lora_shrink_kernel<T, W, kRowTile>,
-                   dim3(shrink_grid.x, (unsigned)((rows + kRowTile - 1) / kRowTile), m), dim3(kThreads), stream,
-                   dim3(1), xp, (int)K, (int)rows, g, slices, p.data_ptr<float>(), max_rank);
-      }
-      launch_pdl_smem(lora_expand_kernel<T, W>,
-                      dim3(g.block_start[m], (unsigned)((rows + kRowTile - 1) / kRowTile)), dim3(kThreads),
-                      kRowTile * max_rank * sizeof(float), stream, dim3(1), g,
-                      static_cast<const float*>(p.data_ptr<float>()), slices, max_rank, (int)rows);
+      launch_pdl(lora_shrink_kernel<T, W>, dim3((max_rank + kRankTile - 1) / kRankTile, rows, m), dim3(kThreads),
+                 stream, dim3(1), reinterpret_cast<const T*>(x.data_ptr()), (int)K, g, t.data_ptr<float>(),
+                 max_rank);
+      launch_pdl(lora_expand_kernel<T, W>, dim3((cols + kThreads - 1) / kThreads, (rows + kRowTile - 1) / kRowTile),
+                 dim3(kThreads), stream, dim3(1), g, static_cast<const float*>(t.data_ptr<float>()), max_rank,
+                 (int)rows);
     };
     if (wtype == at::kFloat) run(float{});
     else run(T{});
