@@ -230,7 +230,7 @@ def run(cfg) -> dict:
     conf_cls, module_cls = algorithms[cfg.algorithm]
     module_cls = module_class(cfg.module, module_cls)
     algo = build_algo(cfg, conf_cls)   # settings checked before the model loads
-    check_groups(cfg)
+    check_groups(cfg, algo)
     rollout_kw = rollout_settings(cfg, algo)
     segki = named("rollout", list(rollout_kw), lambda: SegKICallback(**rollout_kw))
     tools, environment_factory, parser = build_tools(cfg)   # imports checked before the model loads
@@ -286,10 +286,10 @@ def named(group: str, names: list[str], build):
         raise type(err)(msg) from None
 
 
-def check_groups(cfg) -> None:
-    """The task's batch, the reward weights' count, the checkpoint and LoRA settings, checked before the model
-    loads (each error names its key)."""
-    weights = cfg.algo.get("reward_weights")
+def check_groups(cfg, algo) -> None:
+    """The task's batch, the reward weights' count (``algo``'s against ``cfg.rewards``), the checkpoint and LoRA
+    settings, checked before the model loads (each error names its key)."""
+    weights = algo.reward_weights
     if weights is not None and len(weights) != len(cfg.rewards):
         raise ValueError(f"algo.reward_weights has {len(weights)} values for the {len(cfg.rewards)} entries of "
                          "rewards: give one weight per reward (or algo.reward_weights=null: 1.0 each)")

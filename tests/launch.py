@@ -27,8 +27,8 @@ def train_ranks(folder: Path, *overrides: str, world: int = 2, timeout: float = 
     Rank r > 0 logs to ``train_ddp_process_r.log`` and saves its Hydra config under ``.rank_r``, as under
     Lightning's launcher; each rank's output is in ``rank_r.out``. A rank that fails stops the others."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world),
-           "NODE_RANK": "0"}
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world), "NODE_RANK": "0"}
     procs = []
     for rank in range(world):
         own = [] if rank == 0 else [f"hydra.job.name=train_ddp_process_{rank}", f"hydra.output_subdir=.rank_{rank}"]

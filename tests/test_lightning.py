@@ -72,11 +72,12 @@ def three_step_runs(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
         (folder / "my_rewards.py").write_text("def short(prompts, completions, **kw):\n"
                                               "    return [float(len(str(c)) < 3) for c in completions]\n")
         out = open(folder / "output.txt", "w")
-        procs[name] = (subprocess.Popen(
-            [*cmd, "--config-name", name, "trainer.max_steps=3", "task.prompts_per_step=2", "algo.num_generations=2",
-             "algo.reward_weights=null",
-             "rewards=[my_rewards.short,{_target_:segki_lightning.rl.rewards.ExactMatch,column:answer}]",
-             f"hydra.run.dir={folder / 'run'}"], stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=env), out, folder)
+        args = ["--config-name", name, "trainer.max_steps=3", "task.prompts_per_step=2", "algo.num_generations=2",
+                "algo.reward_weights=null",
+                "rewards=[my_rewards.short,{_target_:segki_lightning.rl.rewards.ExactMatch,column:answer}]",
+                f"hydra.run.dir={folder / 'run'}"]
+        proc = subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, cwd=folder, env=env)
+        procs[name] = (proc, out, folder)
     runs = {}
     for name, (proc, out, folder) in procs.items():
         code = proc.wait(timeout=600)
@@ -90,12 +91,12 @@ def test_segki_train_runs_three_steps(three_step_runs, name):
     """The recipe from the command line (:func:`three_step_runs`): the metrics a TRL user looks for, the update's
     parts adding up, one segment report and one rollout-path line a run, a progress bar in steps (not Lightning's
     epochs of -1 steps)."""
-    code, text, tmp_path = three_step_runs[name]
+    code, text, folder = three_step_runs[name]
     assert code == 0, text[-3000:]
     assert text.count("injected segments") == 1 and text.count("rollout path") == 1
     assert "step: 100%" in text and "Epoch 0/-2" not in text
     assert "falling back to its reference PyTorch implementation" not in text   # CPU: does not apply
-    metrics = (tmp_path / "run" / "logs" / "metrics.csv").read_text().splitlines()
+    metrics = (folder / "run" / "logs" / "metrics.csv").read_text().splitlines()
     header = metrics[0].split(",")
     for key in ("train/reward", "train/reward_std", "train/kl", "train/clip_ratio", "train/completion_length",
                 "train/loss", "rollout/tokens_per_s", "rollout/time_share", "time/step_s", "time/rollout_s",
